@@ -1,0 +1,163 @@
+"""`kvserve` command line: one subcommand per module, each module owning its own flags.
+
+A subcommand module exposes `add_arguments(parser)` and `run(args) -> int`. Modules are
+imported only when their subcommand runs, so `kvserve simulate` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvserve.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    QueueConfig,
+    SchedulerConfig,
+    StreamConfig,
+    env_default,
+)
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("kvserve.server.cli", "run the OpenAI-compatible HTTP server"),
+    "generate": ("kvserve.engine.generate_cli", "generate text for a prompt, streamed"),
+    "bench": ("kvserve.bench.loadgen", "load-test an OpenAI-compatible server"),
+    "simulate": ("kvserve.sim.cli", "run the scheduling simulator"),
+}
+
+
+def _size(text: str) -> int:
+    """Bytes from '512MiB', '2G', '1.5GB' or a plain number."""
+    units = {
+        "k": 1e3,
+        "kb": 1e3,
+        "kib": 1024,
+        "m": 1e6,
+        "mb": 1e6,
+        "mib": 1024**2,
+        "g": 1e9,
+        "gb": 1e9,
+        "gib": 1024**3,
+    }
+    raw = text.strip().lower()
+    for suffix in sorted(units, key=len, reverse=True):
+        if raw.endswith(suffix):
+            return int(float(raw[: -len(suffix)]) * units[suffix])
+    return int(float(raw))
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.lower() in ("", "none", "auto") else int(text)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that runs the engine (serve, generate, bench engine)."""
+    e = env_default
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=e("--model", None),
+        help="a .gguf file or a Hugging Face model directory (default: embedded SmolLM2-135M)",
+    )
+    g = parser.add_argument_group("device")
+    g.add_argument("--device", default=e("--device", "auto"), help="auto | cpu | cuda[:N]")
+    g.add_argument(
+        "--dtype", default=e("--dtype", "auto"), help="auto | bfloat16 | float16 | float32"
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=e("--threads", None, int),
+        help="CPU threads for torch (default: all cores)",
+    )
+    g = parser.add_argument_group("KV cache")
+    g.add_argument("--block-size", type=int, default=e("--block-size", 32, int))
+    g.add_argument(
+        "--num-kv-blocks",
+        type=_optional_int,
+        default=e("--num-kv-blocks", None, _optional_int),
+        help="pool size in blocks (overrides --kv-cache-memory)",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        type=_size,
+        default=e("--kv-cache-memory", None, _size),
+        help="bytes for the KV pool, e.g. 2GiB (default: derived from free memory)",
+    )
+    g = parser.add_argument_group("scheduling")
+    g.add_argument("--max-num-seqs", type=int, default=e("--max-num-seqs", 8, int))
+    g.add_argument(
+        "--max-model-len",
+        type=_optional_int,
+        default=e("--max-model-len", None, _optional_int),
+        help="context length limit (default: the model's)",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=e("--max-num-batched-tokens", 2048, int)
+    )
+    g.add_argument("--prefill-chunk", type=int, default=e("--prefill-chunk", 512, int))
+    g.add_argument("--max-queue-per-slot", type=int, default=e("--max-queue-per-slot", 8, int))
+    g.add_argument("--queue-timeout", type=float, default=e("--queue-timeout", 30.0, float))
+    g.add_argument(
+        "--max-overtakes",
+        type=_optional_int,
+        default=e("--max-overtakes", None, _optional_int),
+        help="times later requests may overtake the queue head (default: slots; 0 = FIFO)",
+    )
+    g.add_argument(
+        "--stream-buffer",
+        type=int,
+        default=e("--stream-buffer", 256, int),
+        help="undelivered steps before a client is dropped as a slow consumer",
+    )
+    g.add_argument("--seed", type=int, default=e("--seed", 0, int))
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        device=DeviceConfig(device=args.device, dtype=args.dtype, num_threads=args.threads),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            prefill_chunk=args.prefill_chunk,
+        ),
+        queue=QueueConfig(
+            max_queue_per_slot=args.max_queue_per_slot,
+            queue_timeout=args.queue_timeout,
+            max_overtakes=args.max_overtakes,
+        ),
+        stream=StreamConfig(buffer_steps=args.stream_buffer),
+        seed=args.seed,
+    )
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == wanted:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)

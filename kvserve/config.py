@@ -1,0 +1,134 @@
+"""Configuration: frozen dataclasses grouped by concern, built once from CLI flags / env vars.
+
+Values found at run time (the number of KV blocks, the model's context length) are passed
+explicitly to whoever needs them; they are never written back into these objects.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+ENV_PREFIX = "KVSERVE_"
+
+
+def env_name(flag: str) -> str:
+    """`--max-num-seqs` -> `KVSERVE_MAX_NUM_SEQS`."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def env_default(flag: str, default, cast=str):
+    """The default of a flag: its environment variable when set, else `default`."""
+    raw = os.environ.get(env_name(flag))
+    if raw is None or raw == "":
+        return default
+    if cast is bool:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    return cast(raw)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceConfig:
+    """Where and in what precision the model runs."""
+
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = number of cores
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache: block size and how the pool is sized."""
+
+    block_size: int = 32
+    num_kv_blocks: int | None = None  # explicit pool size; wins over kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes for K and V of all layers; None = derived
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError("num_kv_blocks must be positive")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+
+
+Admission = Literal["reserve", "slot-only"]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Whom to admit and what each step computes."""
+
+    max_num_seqs: int = 8  # slots
+    max_model_len: int | None = None  # None = the model's context length
+    max_num_batched_tokens: int = 2048  # rows per step
+    prefill_chunk: int = 512  # prompt tokens per sequence per step
+    admission: Admission = "reserve"
+    # Reserve used when a request names no max_tokens is the rest of the context.
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be positive")
+        if self.prefill_chunk <= 0:
+            raise ValueError("prefill_chunk must be positive")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError("max_model_len must be positive")
+        if self.admission not in ("reserve", "slot-only"):
+            raise ValueError(f"unknown admission policy {self.admission!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    """The bounded admission queue in front of the scheduler."""
+
+    max_queue_per_slot: int = 8  # waiters per slot
+    queue_timeout: float = 30.0  # seconds a waiter may wait before 429
+    max_overtakes: int | None = None  # times the head may be overtaken; None = slots, 0 = FIFO
+
+    def __post_init__(self) -> None:
+        if self.max_queue_per_slot < 0:
+            raise ValueError("max_queue_per_slot must be >= 0")
+        if self.queue_timeout <= 0:
+            raise ValueError("queue_timeout must be positive")
+        if self.max_overtakes is not None and self.max_overtakes < 0:
+            raise ValueError("max_overtakes must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamConfig:
+    """Per-request delivery."""
+
+    buffer_steps: int = 256  # undelivered steps before a client counts as a slow consumer
+
+    def __post_init__(self) -> None:
+        if self.buffer_steps <= 0:
+            raise ValueError("buffer_steps must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine needs, grouped."""
+
+    model: str | None = None  # path to a .gguf file or a Hugging Face directory; None = default
+    device: DeviceConfig = DeviceConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    queue: QueueConfig = QueueConfig()
+    stream: StreamConfig = StreamConfig()
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """HTTP concerns only."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    log_level: str = "info"

@@ -1,0 +1,1 @@
+"""Model runtime: loaders, the Llama-family forward pass, the paged KV cache tensors."""

