@@ -55,6 +55,7 @@ class CacheConfig:
 
 
 Admission = Literal["reserve", "slot-only"]
+Batching = Literal["continuous", "request"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # rows per step
     prefill_chunk: int = 512  # prompt tokens per sequence per step
     admission: Admission = "reserve"
+    batching: Batching = "continuous"  # "request": a batch runs to completion before the next
     # Reserve used when a request names no max_tokens is the rest of the context.
 
     def __post_init__(self) -> None:
@@ -79,6 +81,8 @@ class SchedulerConfig:
             raise ValueError("max_model_len must be positive")
         if self.admission not in ("reserve", "slot-only"):
             raise ValueError(f"unknown admission policy {self.admission!r}")
+        if self.batching not in ("continuous", "request"):
+            raise ValueError(f"unknown batching policy {self.batching!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,31 @@
+"""Scheduling policy over integers: block pool, scheduler, admission queue, step plans.
+
+Nothing here imports torch, touches tensors, reads a clock or knows about HTTP, so every rule
+is tested in milliseconds and the simulator drives the same code the server runs.
+"""
+
+from kvserve.core.blocks import BlockPool
+from kvserve.core.plan import ChunkPlan, StepPlan
+from kvserve.core.queue import AdmissionQueue, CapacitySignal, Outcome, Waiter
+from kvserve.core.scheduler import (
+    Infeasible,
+    Scheduler,
+    SeqState,
+    admit_or_enqueue,
+    admit_waiting,
+)
+
+__all__ = [
+    "AdmissionQueue",
+    "BlockPool",
+    "CapacitySignal",
+    "ChunkPlan",
+    "Infeasible",
+    "Outcome",
+    "Scheduler",
+    "SeqState",
+    "StepPlan",
+    "Waiter",
+    "admit_or_enqueue",
+    "admit_waiting",
+]

@@ -1,0 +1,151 @@
+"""The paged KV cache's bookkeeping: fixed-size blocks in one shared pool.
+
+Block ids are `0 .. num_blocks - 1`; the engine maps them onto its KV tensors. A block may be
+referenced by several owners (prefix sharing); it returns to the free list when its last
+reference is released.
+
+Freed blocks are reused FIFO: the block freed longest ago is handed out first. A cached prefix
+that has just been released therefore survives as long as possible before being overwritten,
+which is what a prefix cache layered on this pool wants (least recently freed is evicted first).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+
+
+class BlockPool:
+    """A fixed pool of KV blocks with a free list, reference counts and per-owner block tables."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self._num_blocks = num_blocks
+        self._block_size = block_size
+        self._refcounts = [0] * num_blocks
+        # An OrderedDict as the free list: FIFO pop and O(1) membership.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._tables: dict[str, list[int]] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool, free or not."""
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Token positions per block."""
+        return self._block_size
+
+    @property
+    def num_free(self) -> int:
+        """Blocks on the free list."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks referenced by at least one owner."""
+        return self._num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool in use, 0.0 .. 1.0."""
+        return self.num_used / self._num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` positions."""
+        if num_tokens < 0:
+            raise ValueError("num_tokens must be >= 0")
+        return -(-num_tokens // self._block_size)
+
+    def allocate(self, owner: str, num_blocks: int) -> tuple[int, ...] | None:
+        """Take `num_blocks` free blocks and append them to `owner`'s table.
+
+        All or nothing: returns the new block ids, or None (and changes nothing) when fewer
+        than `num_blocks` are free. An owner may allocate several times; its table grows.
+        """
+        if num_blocks < 0:
+            raise ValueError("num_blocks must be >= 0")
+        if num_blocks > len(self._free):
+            return None
+        block_ids = tuple(self._free.popitem(last=False)[0] for _ in range(num_blocks))
+        for block_id in block_ids:
+            self._refcounts[block_id] = 1
+        self._tables.setdefault(owner, []).extend(block_ids)
+        return block_ids
+
+    def share(self, owner: str, block_ids: Sequence[int]) -> None:
+        """Append blocks already in use by another owner to `owner`'s table, one reference each.
+
+        Raises ValueError (and changes nothing) for an id out of range, a free block, a block
+        the owner already holds, or a repeated id.
+        """
+        table = self._tables.get(owner, [])
+        held = set(table)
+        for block_id in block_ids:
+            if not 0 <= block_id < self._num_blocks:
+                raise ValueError(f"block {block_id} is not in the pool")
+            if self._refcounts[block_id] == 0:
+                raise ValueError(f"block {block_id} is free; only blocks in use can be shared")
+            if block_id in held:
+                raise ValueError(f"{owner!r} already holds block {block_id}")
+            held.add(block_id)
+        for block_id in block_ids:
+            self._refcounts[block_id] += 1
+        self._tables[owner] = table + list(block_ids)
+
+    def table(self, owner: str) -> tuple[int, ...]:
+        """The owner's block table in allocation order; empty for an unknown owner."""
+        return tuple(self._tables.get(owner, ()))
+
+    def release(self, owner: str) -> int:
+        """Drop every reference `owner` holds; returns how many blocks went back to the free list.
+
+        Idempotent: an unknown (or already released) owner returns 0.
+        """
+        table = self._tables.pop(owner, None)
+        if table is None:
+            return 0
+        num_freed = 0
+        # The table's tail goes back first: with FIFO reuse it is overwritten before the
+        # head, and a sequence's head blocks are the ones a prefix cache can share.
+        for block_id in reversed(table):
+            self._refcounts[block_id] -= 1
+            if self._refcounts[block_id] == 0:
+                self._free[block_id] = None
+                num_freed += 1
+        return num_freed
+
+    def refcount(self, block_id: int) -> int:
+        """How many owners reference `block_id` (0 = free)."""
+        if not 0 <= block_id < self._num_blocks:
+            raise ValueError(f"block {block_id} is not in the pool")
+        return self._refcounts[block_id]
+
+    def owners(self) -> tuple[str, ...]:
+        """Owners holding a table, in first-allocation order."""
+        return tuple(self._tables)
+
+    def check_whole(self) -> bool:
+        """True when free + used == total and every refcount equals the tables' references."""
+        references = Counter(block_id for table in self._tables.values() for block_id in table)
+        if any(not 0 <= block_id < self._num_blocks for block_id in references):
+            return False
+        for block_id in range(self._num_blocks):
+            count = self._refcounts[block_id]
+            if count != references.get(block_id, 0):
+                return False
+            if (count == 0) != (block_id in self._free):
+                return False
+        return len(self._free) + sum(1 for count in self._refcounts if count > 0) == (
+            self._num_blocks
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockPool(num_blocks={self._num_blocks}, block_size={self._block_size}, "
+            f"num_free={self.num_free}, owners={len(self._tables)})"
+        )

@@ -1,0 +1,66 @@
+"""What one step computes: the boundary between scheduling policy and the model.
+
+Everything here is integers and strings, so a plan can be built by hand in a test and
+executed by the engine without either side knowing how the other works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    """One sequence's rows in a step: consecutive positions `start .. start + num_tokens - 1`.
+
+    `block_ids` is the sequence's whole block table at planning time; it covers at least
+    `start + num_tokens` positions. `samples` is True when the chunk's last row needs logits:
+    every decode row, and the prefill chunk that completes the prompt.
+    """
+
+    request_id: str
+    slot: int
+    start: int
+    num_tokens: int
+    block_ids: tuple[int, ...]
+    is_prefill: bool
+    samples: bool
+
+    @property
+    def end(self) -> int:
+        """One past the last position computed by this chunk."""
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """The rows of one forward pass.
+
+    `chunks` holds prefill chunks first, then decode rows, each group in arrival order.
+    `waiting_ids` names the running sequences that got no rows this step, in arrival order;
+    they keep their slot and blocks and are planned again next step.
+    """
+
+    step: int
+    chunks: tuple[ChunkPlan, ...]
+    waiting_ids: tuple[str, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the batch: every chunk's tokens."""
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def num_prefill_rows(self) -> int:
+        """Rows that compute prompt positions."""
+        return sum(chunk.num_tokens for chunk in self.chunks if chunk.is_prefill)
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Rows that compute the position of the last sampled token."""
+        return sum(chunk.num_tokens for chunk in self.chunks if not chunk.is_prefill)
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        """The sequences that get rows, in plan order."""
+        return tuple(chunk.request_id for chunk in self.chunks)
