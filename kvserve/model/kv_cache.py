@@ -1,0 +1,131 @@
+"""The paged KV cache tensors.
+
+One tensor holds K and V of every layer: `[num_layers, 2, kv_heads, num_blocks, block_size,
+head_dim]`. A position `p` of a sequence lives in block `block_ids[p // block_size]` at offset
+`p % block_size`; the flat slot `block_id * block_size + offset` addresses it in the view
+`[num_layers, 2, kv_heads, num_blocks * block_size, head_dim]`. Heads are outermost so that the
+positions of one head are contiguous inside a block: a gather through a block table yields the
+`[kv_heads, positions, head_dim]` layout attention wants, and the CPU decode kernel streams each
+head's rows in order. Which request owns which block is decided elsewhere (core.BlockPool); this
+module only holds the memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.model.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSize:
+    """How the pool size was chosen, for the one start-up log line."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    source: str  # "--num-kv-blocks", "--kv-cache-memory", or how the default was derived
+
+    @property
+    def num_positions(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def describe(self) -> str:
+        return (
+            f"KV pool: {self.num_blocks} blocks x {self.block_size} positions = "
+            f"{self.num_positions} positions, {self.bytes_per_block / 1024:.0f} KiB/block, "
+            f"{self.num_bytes / 2**20:.1f} MiB ({self.source})"
+        )
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes that could still be allocated on `device`."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 2**30
+
+
+def choose_pool_size(
+    config: ModelConfig,
+    *,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_num_seqs: int,
+    max_model_len: int,
+    num_kv_blocks: int | None = None,
+    kv_cache_memory: int | None = None,
+) -> PoolSize:
+    """Size the pool: an explicit block count, else a byte budget, else enough for every slot to
+    hold a full context, capped by a share of the memory that is free (90% on CUDA, where the
+    weights are already resident; 50% of host memory on CPU, which the rest of the process shares).
+    """
+    per_block = bytes_per_block(config, block_size, dtype)
+    if num_kv_blocks is not None:
+        return PoolSize(num_kv_blocks, block_size, per_block, "--num-kv-blocks")
+    if kv_cache_memory is not None:
+        blocks = max(1, kv_cache_memory // per_block)
+        return PoolSize(blocks, block_size, per_block, f"--kv-cache-memory {kv_cache_memory} B")
+    wanted = max_num_seqs * -(-max_model_len // block_size)
+    share = 0.9 if device.type == "cuda" else 0.5
+    cap = int(available_memory(device) * share) // per_block
+    blocks = max(1, min(wanted, cap))
+    why = f"{max_num_seqs} slots x {max_model_len} positions"
+    if blocks < wanted:
+        why += f", capped at {share:.0%} of free memory"
+    return PoolSize(blocks, block_size, per_block, why)
+
+
+class KVCache:
+    """K and V for all layers in one tensor; see the module docstring for the layout."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_layers = config.num_layers
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        # kv: [layers, 2, kv_heads, num_blocks, block_size, head_dim]
+        self.kv = torch.zeros(
+            config.num_layers,
+            2,
+            config.num_kv_heads,
+            num_blocks,
+            block_size,
+            config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    def layer(self, index: int) -> torch.Tensor:
+        """`[2, kv_heads, num_blocks, block_size, head_dim]` for one layer (a view)."""
+        return self.kv[index]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()

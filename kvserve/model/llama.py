@@ -1,0 +1,200 @@
+"""The Llama-family forward pass over a flat batch of rows (llama, qwen2, qwen3 as flags).
+
+Weights are kept fused where it pays: q|k|v in one matrix, gate|up in one matrix, so a layer is
+four matmuls. RoPE uses the half-rotation form (Hugging Face layout); GGUF checkpoints, which store
+q/k rows permuted for interleaved rotation, are un-permuted by the loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.config import ModelConfig
+from kvserve.model.kv_cache import KVCache
+
+# A loader hands tensors over by Hugging Face name, already in HF layout ([out, in], un-permuted).
+TensorSource = Callable[[str], torch.Tensor | None]
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    attn_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q + 2 kv, hidden]
+    qkv_bias: torch.Tensor | None  # [q + 2 kv]
+    qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: q_norm rows then k_norm rows
+    o: torch.Tensor  # [hidden, q]
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+class LlamaModel:
+    """A Llama-family decoder. Stateless apart from weights: the KV cache is passed in."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+    ) -> None:
+        self.config = config
+        self.embed = embed  # [vocab, hidden]
+        self.layers = layers
+        self.norm = norm  # [hidden]
+        self.lm_head = lm_head  # [vocab, hidden] (the same tensor as embed when tied)
+        self.dtype = embed.dtype
+        self.device = embed.device
+        self.scale = config.head_dim**-0.5
+        self.native = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+        if self.native:
+            from kvserve.model import native
+
+            self.native = native.library() is not None
+        self._build_rope_tables(config.max_position_embeddings)
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_tensors(
+        cls,
+        config: ModelConfig,
+        get: TensorSource,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        progress: Callable[[int], None] | None = None,
+    ) -> LlamaModel:
+        """Build from tensors named as in Hugging Face checkpoints, fusing as it goes.
+
+        `get(name)` returns a float tensor (any dtype, on CPU) or None when absent. Layers are
+        fused and moved one at a time so peak memory stays near the size of one layer.
+        """
+
+        def need(name: str) -> torch.Tensor:
+            tensor = get(name)
+            if tensor is None:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return tensor
+
+        def place(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(device=device, dtype=dtype).contiguous()
+
+        embed = place(need("model.embed_tokens.weight"))
+        if progress:
+            progress(1)
+        layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat(
+                [need(p + f"self_attn.{n}_proj.weight").to(dtype) for n in ("q", "k", "v")]
+            )
+            bias = None
+            if config.attention_bias:
+                bias = place(
+                    torch.cat([need(p + f"self_attn.{n}_proj.bias").float() for n in "qkv"])
+                )
+            qk_norm = None
+            if config.qk_norm:
+                qn = need(p + "self_attn.q_norm.weight").float()
+                kn = need(p + "self_attn.k_norm.weight").float()
+                qk_norm = place(
+                    torch.cat(
+                        [qn.expand(config.num_heads, -1), kn.expand(config.num_kv_heads, -1)]
+                    )
+                )
+            gate_up = torch.cat(
+                [need(p + f"mlp.{n}_proj.weight").to(dtype) for n in ("gate", "up")]
+            )
+            layers.append(
+                LayerWeights(
+                    attn_norm=place(need(p + "input_layernorm.weight")),
+                    qkv=place(qkv),
+                    qkv_bias=bias,
+                    qk_norm=qk_norm,
+                    o=place(need(p + "self_attn.o_proj.weight")),
+                    mlp_norm=place(need(p + "post_attention_layernorm.weight")),
+                    gate_up=place(gate_up),
+                    down=place(need(p + "mlp.down_proj.weight")),
+                )
+            )
+            if progress:
+                progress(1)
+        norm = place(need("model.norm.weight"))
+        head = None if config.tie_word_embeddings else get("lm_head.weight")
+        lm_head = embed if head is None else place(head)
+        if progress:
+            progress(1)
+        return cls(config, embed, layers, norm, lm_head)
+
+    def _build_rope_tables(self, max_positions: int) -> None:
+        inv = torch.tensor(self.config.inverse_frequencies(), dtype=torch.float32)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
+        cos, sin = angles.cos(), angles.sin()
+        # Half rotation: x*cos + rotate_half(x)*sin, with rotate_half(x) = [-x2, x1]. Written as
+        # x*cos + roll(x, half)*sin_signed where sin_signed = [-sin, sin]: one op fewer per layer.
+        self.rope_cos = torch.cat([cos, cos], dim=-1).to(self.device, self.dtype)
+        self.rope_sin = torch.cat([-sin, sin], dim=-1).to(self.device, self.dtype)
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = [self.embed, self.norm]
+        if self.lm_head is not self.embed:
+            tensors.append(self.lm_head)
+        for layer in self.layers:
+            tensors += [t for t in vars_of(layer) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """Run one step. token_ids: [rows] long. Returns float32 logits
+        `[len(meta.logits_indices), vocab]` for the rows that sample."""
+        cfg = self.config
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        num_heads, num_kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        rows = token_ids.shape[0]
+        qk_size = cfg.q_size + cfg.kv_size
+        half = head_dim // 2
+        # cos, sin: [rows, 1, head_dim]
+        cos = self.rope_cos[meta.positions].unsqueeze(1)
+        sin = self.rope_sin[meta.positions].unsqueeze(1)
+
+        x = F.embedding(token_ids, self.embed)  # [rows, hidden]
+        for index, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (hidden,), layer.attn_norm, eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [rows, q + 2 kv]
+            qk = qkv[:, :qk_size].view(rows, num_heads + num_kv_heads, head_dim)
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, (head_dim,), None, eps) * layer.qk_norm
+            qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
+            v = qkv[:, qk_size:].view(rows, num_kv_heads, head_dim)
+            attn = paged_attention(
+                qk[:, :num_heads],
+                qk[:, num_heads:],
+                v,
+                kv_cache.layer(index),
+                meta,
+                self.scale,
+                self.native,
+            )
+            x = x + F.linear(attn, layer.o)
+            h = F.rms_norm(x, (hidden,), layer.mlp_norm, eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+
+        x = F.rms_norm(x[meta.logits_indices], (hidden,), self.norm, eps)
+        return F.linear(x, self.lm_head).float()
+
+
+def vars_of(layer: LayerWeights) -> list[torch.Tensor | None]:
+    return [getattr(layer, name) for name in LayerWeights.__slots__]

@@ -1,0 +1,141 @@
+"""Load a model (GGUF file or Hugging Face directory) onto a device, with its tokenizer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvserve.config import DeviceConfig
+from kvserve.model.config import ModelConfig
+from kvserve.model.llama import LlamaModel
+from kvserve.model.paths import DEFAULT_MODEL_NAME, default_model_path, resolve_model_path
+
+log = logging.getLogger("kvserve.model")
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def cpu_has_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.split()
+                    return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        pass
+    return False
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (use auto, bfloat16, float16 or float32)")
+    return _DTYPES[name]
+
+
+def configure_threads(num_threads: int | None) -> int:
+    """Set torch's intra-op threads (default: every core) and one inter-op thread."""
+    threads = num_threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    return threads
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: object  # kvserve.tokenizer.Tokenizer
+    config: ModelConfig
+    path: Path
+    name: str  # the name served by default
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float
+    quantization: list[str]
+
+    def summary(self) -> str:
+        cfg = self.config
+        return (
+            f"loaded {self.name}: {cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M params, "
+            f"{cfg.num_layers} layers, {str(self.dtype).removeprefix('torch.')} on {self.device}, "
+            f"weights {self.model.num_bytes / 2**20:.0f} MiB (from {'/'.join(self.quantization)}), "
+            f"context {cfg.max_position_embeddings}, in {self.load_seconds:.1f} s"
+        )
+
+
+def load_model(model: str | None, device_config: DeviceConfig = DeviceConfig()) -> LoadedModel:
+    """Load weights and tokenizer. `model` is None (the embedded default), a .gguf file or a
+    Hugging Face directory. Nothing is ever downloaded."""
+    from kvserve.tokenizer import Tokenizer
+
+    started = time.perf_counter()
+    path = resolve_model_path(model)
+    device = resolve_device(device_config.device)
+    dtype = resolve_dtype(device_config.dtype, device)
+    if device.type == "cpu":
+        configure_threads(device_config.num_threads)
+    if path.is_dir():
+        from kvserve.model.safetensors import SafetensorsCheckpoint
+
+        checkpoint = SafetensorsCheckpoint(path)
+        tokenizer = Tokenizer.from_hf_dir(path)
+        name = path.name
+    else:
+        from kvserve.model.gguf import GGUFCheckpoint
+
+        checkpoint = GGUFCheckpoint(path)
+        tokenizer = Tokenizer.from_gguf(path, fields=checkpoint.fields)
+        name = DEFAULT_MODEL_NAME if path == default_model_path() else path.stem
+    config = checkpoint.config
+    with tqdm(
+        total=config.num_layers + 2,
+        desc=f"loading {path.name}",
+        unit="layer",
+        disable=not sys.stderr.isatty(),
+        leave=False,
+    ) as bar:
+        llama = LlamaModel.from_tensors(
+            config, checkpoint.get, dtype=dtype, device=device, progress=bar.update
+        )
+    loaded = LoadedModel(
+        model=llama,
+        tokenizer=tokenizer,
+        config=config,
+        path=path,
+        name=name,
+        device=device,
+        dtype=dtype,
+        load_seconds=time.perf_counter() - started,
+        quantization=list(checkpoint.quantization),
+    )
+    log.info(loaded.summary())
+    return loaded
