@@ -1,0 +1,635 @@
+"""Sampling parameters, their validation, and the batched sampler.
+
+`SamplingParams` carries the user-facing knobs under their OpenAI/vLLM names. `Sampler.sample`
+turns one `[rows, vocab]` logits tensor into one token per row, each row honouring its own
+parameters, in this order:
+
+1. logit_bias (and the row's suppressed token ids, which become -inf);
+2. repetition penalty over prompt + output tokens (HF/vLLM: positive logits are divided by the
+   penalty, negative ones multiplied), then presence/frequency penalties over output tokens only
+   (OpenAI: ``logit -= count * frequency_penalty + (count > 0) * presence_penalty``);
+3. log-probabilities, when asked for, are the log_softmax of these processed logits: before
+   temperature and truncation, so they describe the model's distribution as adjusted by the
+   request, not the sharpened/truncated one the token is finally drawn from;
+4. greedy rows (temperature 0 or top_k 1, and temperatures below 1e-5, whose division would
+   overflow) take the argmax, all together in one op, ties going to the lowest token id;
+5. random rows: temperature → top_k → top_p (over the top-k survivors, renormalised) → min_p
+   (relative to the most likely surviving token) → draw.
+
+Every truncation is a per-row threshold on the logits, so tokens tied at a boundary survive
+together and the outcome never depends on how a sort orders equal values. The draw is by inverse
+CDF: one uniform number per row, taken from that row's own generator when the request brought a
+seed, against the cumulative sum of the surviving probabilities. A seeded request therefore
+produces the same tokens whichever other rows share its batch and wherever it sits in it, and its
+generator advances by exactly one draw per randomly sampled step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+MAX_STOP_STRINGS = 4
+"""At most this many stop strings per request, as OpenAI allows."""
+
+MAX_LOGPROBS = 20
+"""At most this many top alternatives per token, as OpenAI's `top_logprobs` allows."""
+
+MAX_LOGIT_BIAS_ENTRIES = 1024
+"""At most this many logit_bias entries: they are turned into tensors every step."""
+
+MAX_N = 128
+"""At most this many choices per request."""
+
+# Below this temperature, dividing logits overflows float32; such rows are sampled greedily,
+# which is the limit they approach anyway.
+_MIN_TEMPERATURE = 1e-5
+
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+_UINT64_MASK = 2**64 - 1
+
+# A row's top-p nucleus is first sought among this many most likely tokens.
+_TOP_P_CANDIDATES = 256
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; `param` names the OpenAI request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+LogitBias = Mapping[int, float] | tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request wants its tokens chosen (OpenAI/vLLM names and defaults).
+
+    Construction normalises containers so the object stays hashable: `stop` may be given as one
+    string or any iterable of strings, `stop_token_ids` as any iterable of ints, and `logit_bias` as a
+    mapping (JSON keys such as ``"50256"`` become ints) or as (token_id, bias) pairs; they are
+    stored as tuples, `logit_bias` sorted by token id. A container of the wrong shape raises
+    `SamplingParamsError` at once; values are range-checked by `validate`.
+    """
+
+    max_tokens: int | None = None  # None = the rest of the context (the engine resolves it)
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: LogitBias = ()
+    logprobs: int | None = None  # None = off; else the number of top alternatives (0..20)
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        object.__setattr__(self, "stop", _as_tuple(stop, "stop"))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
+        object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the token is the argmax: temperature 0 or top_k 1."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any repetition, presence or frequency penalty is active."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise `SamplingParamsError` naming the first field that is out of range.
+
+        With `vocab_size`, token ids in `logit_bias` and `stop_token_ids` must lie in
+        ``[0, vocab_size)``.
+        """
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise SamplingParamsError("max_tokens must be a positive integer", "max_tokens")
+        _check_range(self.temperature, "temperature", 0.0, 2.0)
+        _check_range(self.top_p, "top_p", 0.0, 1.0, low_inclusive=False)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise SamplingParamsError("top_k must be an integer >= 0 (0 or -1 = off)", "top_k")
+        _check_range(self.min_p, "min_p", 0.0, 1.0)
+        if self.seed is not None and (
+            not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX
+        ):
+            raise SamplingParamsError("seed must be a 64-bit integer", "seed")
+        self._validate_stop(vocab_size)
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamsError("ignore_eos must be a boolean", "ignore_eos")
+        _check_range(self.presence_penalty, "presence_penalty", -2.0, 2.0)
+        _check_range(self.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+        _check_range(self.repetition_penalty, "repetition_penalty", 0.0, 2.0, low_inclusive=False)
+        self._validate_logit_bias(vocab_size)
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise SamplingParamsError(
+                f"top_logprobs must be an integer between 0 and {MAX_LOGPROBS}", "top_logprobs"
+            )
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise SamplingParamsError(f"n must be an integer between 1 and {MAX_N}", "n")
+
+    def _validate_stop(self, vocab_size: int | None) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(
+                f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}", "stop"
+            )
+        for text in self.stop:
+            if not isinstance(text, str):
+                raise SamplingParamsError("stop must be a string or a list of strings", "stop")
+            if not text:
+                raise SamplingParamsError("stop strings must not be empty", "stop")
+        for token_id in self.stop_token_ids:
+            if not _is_token_id(token_id, vocab_size):
+                raise SamplingParamsError(
+                    f"stop_token_ids holds {token_id!r}, not a token id of this model",
+                    "stop_token_ids",
+                )
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise SamplingParamsError(
+                f"logit_bias accepts at most {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias"
+            )
+        seen: set[int] = set()
+        for token_id, bias in self.logit_bias:
+            if not _is_token_id(token_id, vocab_size):
+                raise SamplingParamsError(
+                    f"logit_bias key {token_id!r} is not a token id of this model", "logit_bias"
+                )
+            if token_id in seen:
+                raise SamplingParamsError(f"logit_bias names token {token_id} twice", "logit_bias")
+            seen.add(token_id)
+            if not _is_real(bias) or not -100.0 <= bias <= 100.0:
+                raise SamplingParamsError(
+                    f"logit_bias value for token {token_id} must be between -100 and 100",
+                    "logit_bias",
+                )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_token_id(value: object, vocab_size: int | None) -> bool:
+    if not _is_int(value) or value < 0:
+        return False
+    return vocab_size is None or value < vocab_size
+
+
+def _check_range(
+    value: object, param: str, low: float, high: float, *, low_inclusive: bool = True
+) -> None:
+    if _is_real(value) and (low <= value if low_inclusive else low < value) and value <= high:
+        return
+    bracket = "[" if low_inclusive else "("
+    raise SamplingParamsError(f"{param} must be a number in {bracket}{low:g}, {high:g}]", param)
+
+
+def _as_tuple(values: object, param: str) -> tuple:
+    if values is None:
+        return ()
+    if isinstance(values, Mapping) or not isinstance(values, Iterable):
+        raise SamplingParamsError(f"{param} must be a list", param)
+    return tuple(values)
+
+
+def _normalise_logit_bias(
+    logit_bias: LogitBias | Iterable[tuple[object, object]] | None,
+) -> tuple[tuple[int, float], ...]:
+    if not logit_bias:
+        return ()
+    items = (
+        logit_bias.items()
+        if isinstance(logit_bias, Mapping)
+        else _as_tuple(logit_bias, "logit_bias")
+    )
+    pairs = []
+    for item in items:
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise SamplingParamsError("logit_bias must map token ids to numbers", "logit_bias")
+        key, value = item
+        # JSON object keys are strings; OpenAI clients send token ids that way.
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        pairs.append((key, value))
+    if all(_is_int(key) for key, _ in pairs):
+        pairs.sort(key=lambda pair: pair[0])
+    return tuple(pairs)
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator for one request's draws, on the device its logits live on.
+
+    Negative seeds are taken modulo 2**64, so every 64-bit seed is accepted.
+    """
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed & _UINT64_MASK)
+    return generator
+
+
+@dataclass(slots=True)
+class RowState:
+    """What the sampler needs to know about one row of the logits.
+
+    `generator` belongs to the request and is advanced by every step that samples it randomly;
+    None means the sampler's own generator. `suppressed_token_ids` are never drawn this step (the
+    engine may use it to hold back end-of-sequence tokens).
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    suppressed_token_ids: Sequence[int] = ()
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    """One sampled token per row, with log-probabilities where the row asked for them.
+
+    `logprobs[i]` is the log-probability of the chosen token (None when the row did not ask);
+    `top_logprobs[i]` lists the row's `params.logprobs` most likely (token_id, logprob) pairs,
+    most likely first (an empty list for 0, None when the row did not ask).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+class Sampler:
+    """Samples one token per row of a `[rows, vocab]` logits tensor on any device.
+
+    Not thread-safe: one engine loop owns it. `seed` fixes the sampler's own generator, used for
+    rows whose request brought no seed; None seeds it from the operating system.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self._seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self._seed & _UINT64_MASK)
+            self._generators[device] = generator
+        return generator
+
+    def process_logits(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
+        """The logits after logit_bias, suppression and penalties, as float32.
+
+        Log-probabilities are the log_softmax of this; temperature and truncation come after.
+        `logits` itself is never modified.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
+        # A float32 input is returned as is by .float(); copy before the first in-place change.
+        processed = logits.float()
+        copied = processed is not logits
+        device = processed.device
+
+        bias_rows, bias_tokens, bias_values = [], [], []
+        for index, row in enumerate(rows):
+            for token_id, bias in row.params.logit_bias:
+                bias_rows.append(index)
+                bias_tokens.append(token_id)
+                bias_values.append(float(bias))
+            for token_id in row.suppressed_token_ids:
+                bias_rows.append(index)
+                bias_tokens.append(token_id)
+                bias_values.append(-math.inf)
+        if bias_rows:
+            if not copied:
+                processed, copied = processed.clone(), True
+            processed.index_put_(
+                (
+                    torch.tensor(bias_rows, device=device),
+                    torch.tensor(bias_tokens, device=device),
+                ),
+                torch.tensor(bias_values, device=device),
+                accumulate=True,
+            )
+
+        penalty_indices = [i for i, row in enumerate(rows) if row.params.has_penalties]
+        if penalty_indices:
+            if not copied:
+                processed, copied = processed.clone(), True
+            _apply_penalties(processed, rows)
+        return processed
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[RowState]) -> SampleOutput:
+        """Draw one token per row; see the module docstring for the order of processing."""
+        num_rows = len(rows)
+        if num_rows == 0:
+            return SampleOutput(token_ids=[], logprobs=[], top_logprobs=[])
+        processed = self.process_logits(logits, rows)
+        device = processed.device
+        token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
+
+        greedy_indices = []
+        random_indices = []
+        for index, row in enumerate(rows):
+            params = row.params
+            if params.greedy or params.temperature < _MIN_TEMPERATURE:
+                greedy_indices.append(index)
+            else:
+                random_indices.append(index)
+
+        if greedy_indices:
+            if len(greedy_indices) == num_rows:
+                token_ids = processed.argmax(dim=-1)
+            else:
+                index_tensor = torch.tensor(greedy_indices, device=device)
+                token_ids[index_tensor] = processed.index_select(0, index_tensor).argmax(dim=-1)
+        if random_indices:
+            random_rows = [rows[i] for i in random_indices]
+            if len(random_indices) == num_rows:
+                token_ids = self._sample_random(processed, random_rows)
+            else:
+                index_tensor = torch.tensor(random_indices, device=device)
+                token_ids[index_tensor] = self._sample_random(
+                    processed.index_select(0, index_tensor), random_rows
+                )
+
+        logprobs: list[float | None] = [None] * num_rows
+        top_logprobs: list[list[tuple[int, float]] | None] = [None] * num_rows
+        logprob_indices = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        if logprob_indices:
+            _fill_logprobs(processed, token_ids, rows, logprob_indices, logprobs, top_logprobs)
+        return SampleOutput(
+            token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs
+        )
+
+    def _sample_random(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
+        """Draw from rows that all sample randomly; `logits` [rows, vocab] is left unchanged."""
+        device = logits.device
+        num_rows, vocab_size = logits.shape
+
+        temperatures = [row.params.temperature for row in rows]
+        if any(t != 1.0 for t in temperatures):
+            logits = logits / torch.tensor(temperatures, device=device).unsqueeze(1)
+        # probs: [rows, vocab]
+        probs = torch.softmax(logits, dim=-1)
+
+        # Every truncation is a per-row threshold on the probabilities: a token survives when
+        # its probability is at least the row's threshold (ties at the boundary survive
+        # together). Thresholds are found in probability space, which orders tokens as the
+        # logits do, so each row needs one softmax however many truncations it asks for.
+        # thresholds: [rows, 1]
+        thresholds = torch.zeros((num_rows, 1), device=device)
+        truncated = False
+        top_k = [_effective_top_k(row.params.top_k, vocab_size) for row in rows]
+        top_k_indices = [
+            i for i, row in enumerate(rows) if top_k[i] is not None and row.params.top_p >= 1.0
+        ]
+        if top_k_indices:
+            ks = [top_k[i] for i in top_k_indices]
+            _set_rows(thresholds, top_k_indices, _top_k_thresholds(probs, top_k_indices, ks))
+            truncated = True
+        top_p_indices = [i for i, row in enumerate(rows) if row.params.top_p < 1.0]
+        if top_p_indices:
+            ks = [top_k[i] for i in top_p_indices]
+            ps = [rows[i].params.top_p for i in top_p_indices]
+            _set_rows(thresholds, top_p_indices, _top_p_thresholds(probs, top_p_indices, ks, ps))
+            truncated = True
+        min_p = [row.params.min_p for row in rows]
+        if any(min_p):
+            # The most likely token survives every truncation, so min_p is relative to it.
+            min_p_thresholds = probs.amax(dim=-1, keepdim=True) * torch.tensor(
+                min_p, device=device
+            ).unsqueeze(1)
+            thresholds = torch.maximum(thresholds, min_p_thresholds)
+            truncated = True
+        # weights: [rows, vocab], probabilities with dropped tokens at 0 (not renormalised)
+        weights = torch.where(probs >= thresholds, probs, 0.0) if truncated else probs
+
+        # Inverse-CDF draw: one uniform number per row from that row's generator.
+        cumulative = weights.cumsum(dim=-1)
+        totals = cumulative[:, -1:]
+        uniforms = self._uniforms(rows, device)
+        # Strictly below the total, so the search always lands on a token with weight > 0: a
+        # zero-weight token repeats its predecessor's cumulative value and is never the first
+        # entry above the target.
+        below_totals = torch.nextafter(totals, torch.zeros_like(totals))
+        targets = torch.minimum(uniforms * totals, below_totals)
+        return torch.searchsorted(cumulative, targets, right=True).squeeze(1)
+
+    def _uniforms(self, rows: Sequence[RowState], device: torch.device) -> torch.Tensor:
+        """One uniform number in [0, 1) per row, as `[rows, 1]`."""
+        uniforms = torch.empty((len(rows), 1), device=device)
+        unseeded_indices = []
+        for index, row in enumerate(rows):
+            if row.generator is None:
+                unseeded_indices.append(index)
+            else:
+                uniforms[index] = torch.rand(1, generator=row.generator, device=device)
+        if unseeded_indices:
+            shared = torch.rand(
+                (len(unseeded_indices), 1), generator=self._generator(device), device=device
+            )
+            _set_rows(uniforms, unseeded_indices, shared)
+        return uniforms
+
+
+def _effective_top_k(top_k: int, vocab_size: int) -> int | None:
+    """The number of tokens top_k keeps, or None when it keeps them all."""
+    if top_k <= 0 or top_k >= vocab_size:
+        return None
+    return top_k
+
+
+def _flat_token_index(
+    token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """Flat indices ``row * vocab + token`` of every listed token; None when there are none."""
+    tokens = list(itertools.chain.from_iterable(token_lists))
+    if not tokens:
+        return None
+    lengths = torch.tensor([len(ids) for ids in token_lists])
+    row_ids = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+    return (row_ids * vocab_size + torch.tensor(tokens, dtype=torch.long)).to(device)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
+    """Repetition (prompt + output), then presence/frequency (output) penalties, in place.
+
+    Only the logits of tokens in a row's history change, so the work grows with the histories,
+    not with rows × vocabulary.
+    """
+    vocab_size = logits.shape[1]
+    device = logits.device
+    # flat: [rows * vocab], a view, so writes land in `logits`
+    flat = logits.view(-1)
+
+    if any(row.params.repetition_penalty != 1.0 for row in rows):
+        # Rows without a repetition penalty list no tokens.
+        histories = [
+            list(itertools.chain(row.prompt_token_ids, row.output_token_ids))
+            if row.params.repetition_penalty != 1.0
+            else []
+            for row in rows
+        ]
+        indices = _flat_token_index(histories, vocab_size, device)
+        if indices is not None:
+            indices = indices.unique()
+            penalty = torch.tensor([row.params.repetition_penalty for row in rows], device=device)
+            penalty = penalty[indices // vocab_size]
+            seen = flat[indices]
+            flat[indices] = torch.where(seen > 0, seen / penalty, seen * penalty)
+
+    if any(row.params.presence_penalty != 0.0 for row in rows) or any(
+        row.params.frequency_penalty != 0.0 for row in rows
+    ):
+        outputs = [row.output_token_ids for row in rows]
+        indices = _flat_token_index(outputs, vocab_size, device)
+        if indices is not None:
+            indices, counts = indices.unique(return_counts=True)
+            row_ids = indices // vocab_size
+            frequency = torch.tensor([row.params.frequency_penalty for row in rows], device=device)
+            presence = torch.tensor([row.params.presence_penalty for row in rows], device=device)
+            flat[indices] -= counts * frequency[row_ids] + presence[row_ids]
+
+
+def _set_rows(target: torch.Tensor, indices: Sequence[int], values: torch.Tensor) -> None:
+    """``target[indices] = values`` without an index tensor when `indices` covers every row."""
+    if len(indices) == target.shape[0]:
+        target.copy_(values)
+    else:
+        target.index_copy_(0, torch.tensor(indices, device=target.device), values)
+
+
+def _select_rows(x: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+    if len(indices) == x.shape[0]:
+        return x
+    return x.index_select(0, torch.tensor(indices, device=x.device))
+
+
+def _top_k_thresholds(
+    probs: torch.Tensor, indices: Sequence[int], top_k: Sequence[int]
+) -> torch.Tensor:
+    """Each selected row's k-th largest probability, as `[len(indices), 1]`."""
+    # values: [selected, max_k], sorted descending
+    values = _select_rows(probs, indices).topk(max(top_k), dim=-1).values
+    ks = torch.tensor(top_k, device=probs.device).unsqueeze(1)
+    return values.gather(1, ks - 1)
+
+
+def _top_p_thresholds(
+    probs: torch.Tensor,
+    indices: Sequence[int],
+    top_k: Sequence[int | None],
+    top_p: Sequence[float],
+) -> torch.Tensor:
+    """The smallest probability inside each selected row's nucleus, as `[len(indices), 1]`.
+
+    The nucleus is the shortest run of most likely tokens (within the row's top_k, renormalised)
+    whose probability reaches top_p. It is sought among the row's most likely candidates first;
+    only rows whose nucleus reaches past them pay for sorting the whole vocabulary. Which way a
+    row goes depends on that row alone.
+    """
+    subset = _select_rows(probs, indices)
+    vocab_size = subset.shape[1]
+    width = min(vocab_size, _TOP_P_CANDIDATES)
+    limits = [vocab_size if k is None else k for k in top_k]
+    # values: [selected, width], sorted descending
+    values = subset.topk(width, dim=-1).values
+    kept, resolved = _nucleus(values, limits, top_p)
+    thresholds = values.gather(1, kept - 1)
+    unresolved = [i for i, done in enumerate(resolved.squeeze(1).tolist()) if not done]
+    if unresolved:
+        ordered = _select_rows(subset, unresolved).sort(dim=-1, descending=True).values
+        ordered_kept, _ = _nucleus(
+            ordered, [limits[i] for i in unresolved], [top_p[i] for i in unresolved]
+        )
+        _set_rows(thresholds, unresolved, ordered.gather(1, ordered_kept - 1))
+    return thresholds
+
+
+def _nucleus(
+    values: torch.Tensor, limits: Sequence[int], top_p: Sequence[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many of the descending probabilities `values` each row keeps, and whether that is final.
+
+    Rows whose top_k limit fits inside `values` renormalise over that limit; the others use the
+    softmax normalisation over the whole vocabulary. Returns `kept` and `resolved`, `[rows, 1]`.
+    """
+    device = values.device
+    width = values.shape[1]
+    # positions: [1, width]
+    positions = torch.arange(width, device=device).unsqueeze(0)
+    limit = torch.tensor(limits, device=device).unsqueeze(1)
+    in_limit = positions < limit
+    weights = torch.where(in_limit, values, 0.0)
+    cumulative = weights.cumsum(dim=-1)
+    fits = limit <= width
+    mass_before = (cumulative - weights) / torch.where(fits, cumulative[:, -1:], 1.0)
+    p = torch.tensor(top_p, device=device).unsqueeze(1)
+    # A token is in the nucleus while the tokens before it hold less than top_p; the first one
+    # has nothing before it, so at least one token is always kept.
+    kept = ((mass_before < p) & in_limit).sum(dim=-1, keepdim=True)
+    resolved = fits | (kept < width)
+    return kept, resolved
+
+
+def _fill_logprobs(
+    processed: torch.Tensor,
+    token_ids: torch.Tensor,
+    rows: Sequence[RowState],
+    indices: Sequence[int],
+    logprobs: list[float | None],
+    top_logprobs: list[list[tuple[int, float]] | None],
+) -> None:
+    """Write the chosen token's logprob and the top alternatives for the rows `indices`."""
+    device = processed.device
+    index_tensor = torch.tensor(indices, device=device)
+    if len(indices) == processed.shape[0]:
+        subset, chosen = processed, token_ids
+    else:
+        subset, chosen = processed.index_select(0, index_tensor), token_ids[index_tensor]
+    # log_probs: [rows, vocab]
+    log_probs = torch.log_softmax(subset, dim=-1)
+    chosen_logprobs = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    counts = [rows[i].params.logprobs for i in indices]
+    max_count = min(max(counts), log_probs.shape[1])
+    top_values: list[list[float]] = [[] for _ in indices]
+    top_ids: list[list[int]] = [[] for _ in indices]
+    if max_count > 0:
+        values, ids = log_probs.topk(max_count, dim=-1, sorted=True)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    for position, row_index in enumerate(indices):
+        count = counts[position]
+        logprobs[row_index] = chosen_logprobs[position]
+        top_logprobs[row_index] = list(
+            zip(top_ids[position][:count], top_values[position][:count], strict=True)
+        )
