@@ -10,7 +10,7 @@ ARGS ?=
 export OMP_NUM_THREADS ?= $(shell nproc)
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install serve test bench lint format clean
+.PHONY: install browser serve test bench lint format clean
 
 install: $(STAMP)
 
@@ -27,7 +27,14 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(VENV)/bin/kvserve serve $(ARGS)
 
-test: install
+# The simulator's page is tested in a real browser: Debian's chromium (never a downloaded one).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium for the browser test"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
+test: install browser
 	$(PY) -m pytest $(ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 

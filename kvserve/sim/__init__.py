@@ -1,0 +1,48 @@
+"""The scheduling simulator: the real `core/` Scheduler and BlockPool driven by a simulated step.
+
+No model and no torch: a step "computes" whatever the StepPlan says. See `simulator` for the
+loop and the default workload, `figure` for the HTML page and the PNG, `cli` for
+`kvserve simulate`.
+"""
+
+from kvserve.sim.simulator import (
+    CONTINUOUS_RESERVE,
+    CONTINUOUS_SLOT_ONLY,
+    DEFAULT_WORKLOAD,
+    REQUEST_LEVEL,
+    SCENARIOS,
+    Frame,
+    RequestOutcome,
+    RequestSpec,
+    RowView,
+    Scenario,
+    SimulationResult,
+    SlotView,
+    Workload,
+    format_table,
+    load_workload,
+    scenario_by_name,
+    simulate,
+    simulate_all,
+)
+
+__all__ = [
+    "CONTINUOUS_RESERVE",
+    "CONTINUOUS_SLOT_ONLY",
+    "DEFAULT_WORKLOAD",
+    "REQUEST_LEVEL",
+    "SCENARIOS",
+    "Frame",
+    "RequestOutcome",
+    "RequestSpec",
+    "RowView",
+    "Scenario",
+    "SimulationResult",
+    "SlotView",
+    "Workload",
+    "format_table",
+    "load_workload",
+    "scenario_by_name",
+    "simulate",
+    "simulate_all",
+]

@@ -1,0 +1,716 @@
+"""The scheduling simulator: the real `core/` Scheduler and BlockPool driven by a simulated step.
+
+Each simulated step is the engine's loop with the forward pass left out:
+
+    arrivals at the door       scheduler.check, admit_or_enqueue
+    the admission round        admit_waiting
+    plan                       scheduler.schedule()
+    "compute" the plan         scheduler.update(plan): every planned row is taken as done
+    finished requests leave    scheduler.release(request_id)
+
+Every rule (whom to admit, which rows a step holds, when the pool runs dry) is the core's; this
+module only supplies arrivals, decides when a request has produced its whole answer, and
+records what the scheduler did. The three scenarios differ only in the `SchedulerConfig` they
+hand to the core.
+
+Time is counted in steps. A request arriving at step `a` is at the door before step `a` plans;
+a token sampled in step `s` exists once step `s` ends. Its time to first token is therefore
+`first_token_step + 1 - a` steps, and likewise its time to return.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kvserve.config import Admission, Batching, SchedulerConfig
+from kvserve.core import (
+    AdmissionQueue,
+    BlockPool,
+    Infeasible,
+    Outcome,
+    Scheduler,
+    StepPlan,
+    Waiter,
+    admit_or_enqueue,
+    admit_waiting,
+)
+
+Status = Literal["returned", "stuck", "refused", "unfinished"]
+
+# Why a request still waits at the door after the admission round, as the Scheduler answers it.
+QUEUE_REASONS = {
+    "batch": "the running batch admits nobody until its last request returns",
+    "slot": "every slot is taken",
+    "blocks": "a slot is free, but not the blocks for its prompt and whole answer",
+    "order": "it may not overtake the head of the queue again",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One simulated request.
+
+    `answer_length` is how many tokens it produces before it stops by itself; `max_tokens` is
+    the answer budget it names (the reserve), `answer_length` when None.
+    """
+
+    request_id: str
+    arrival_step: int
+    num_prompt_tokens: int
+    answer_length: int
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.arrival_step < 0:
+            raise ValueError(f"{self.request_id}: arrival_step must be >= 0")
+        if self.num_prompt_tokens < 1:
+            raise ValueError(f"{self.request_id}: num_prompt_tokens must be >= 1")
+        if self.answer_length < 1:
+            raise ValueError(f"{self.request_id}: answer_length must be >= 1")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"{self.request_id}: max_tokens must be >= 1")
+
+    @property
+    def budget(self) -> int:
+        """The answer budget handed to the scheduler."""
+        return self.answer_length if self.max_tokens is None else self.max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Requests plus the engine constants they run under (scaled down so a step can be watched)."""
+
+    requests: tuple[RequestSpec, ...]
+    num_slots: int = 4
+    num_blocks: int = 16
+    block_size: int = 4
+    prefill_chunk: int = 8
+    max_num_batched_tokens: int = 12
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.requests:
+            raise ValueError("a workload needs at least one request")
+        request_ids = [request.request_id for request in self.requests]
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("request ids must be unique")
+        for name in (
+            "num_slots",
+            "num_blocks",
+            "block_size",
+            "prefill_chunk",
+            "max_num_batched_tokens",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length the simulated engine resolves: what the whole pool holds."""
+        return self.num_blocks * self.block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """The workload as plain JSON-ready data (the format `load_workload` reads)."""
+        data = asdict(self)
+        data["requests"] = [
+            {key: value for key, value in asdict(request).items() if value is not None}
+            for request in self.requests
+        ]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Workload:
+        """Build a workload from `to_dict`'s format; unknown keys raise ValueError."""
+        known = {
+            "requests",
+            "num_slots",
+            "num_blocks",
+            "block_size",
+            "prefill_chunk",
+            "max_num_batched_tokens",
+            "description",
+        }
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown workload keys: {', '.join(sorted(unknown))}")
+        if "requests" not in data:
+            raise ValueError("a workload needs a 'requests' list")
+        requests = []
+        for index, raw in enumerate(data["requests"]):
+            if not isinstance(raw, Mapping):
+                raise ValueError(f"request {index} is not an object")
+            fields = dict(raw)
+            fields.setdefault("request_id", f"r{index + 1}")
+            try:
+                requests.append(RequestSpec(**fields))
+            except TypeError as error:
+                raise ValueError(f"request {index}: {error}") from None
+        rest = {key: value for key, value in data.items() if key != "requests"}
+        return cls(requests=tuple(requests), **rest)
+
+
+# The default workload: seven requests arriving one after another into four slots and a pool of
+# 12 blocks of 4 positions (48 positions). Every request fits the pool on its own; together they
+# do not, so the three scenarios part ways:
+# - request-level batching: r1 (a long prompt) is alone at step 0 and forms a batch of one;
+#   r2-r4 arrive while it runs and wait for it to finish, then r5-r7 wait for r2-r4.
+# - continuous batching with reservation: each request is admitted once a slot and blocks for
+#   its prompt plus its whole answer are free; r4 and r7 wait a few steps for blocks, nobody
+#   waits for a batch, and all seven return.
+# - continuous batching on a free slot alone: every request is admitted at once; at step 11 the
+#   pool is empty, four half-done sequences each need one more block, and none can ever finish.
+DEFAULT_WORKLOAD = Workload(
+    requests=(
+        RequestSpec("r1", arrival_step=0, num_prompt_tokens=15, answer_length=8),
+        RequestSpec("r2", arrival_step=2, num_prompt_tokens=6, answer_length=5),
+        RequestSpec("r3", arrival_step=4, num_prompt_tokens=4, answer_length=4),
+        RequestSpec("r4", arrival_step=6, num_prompt_tokens=10, answer_length=6),
+        RequestSpec("r5", arrival_step=7, num_prompt_tokens=10, answer_length=4),
+        RequestSpec("r6", arrival_step=8, num_prompt_tokens=9, answer_length=6),
+        RequestSpec("r7", arrival_step=10, num_prompt_tokens=4, answer_length=10),
+    ),
+    num_slots=4,
+    num_blocks=12,
+    block_size=4,
+    prefill_chunk=8,
+    max_num_batched_tokens=12,
+    description=(
+        "Seven requests arrive one after another into four slots sharing 12 blocks of "
+        "4 positions; prefill chunks of 8 tokens, at most 12 rows per step."
+    ),
+)
+
+
+def load_workload(path: str | Path) -> Workload:
+    """Read a workload from a JSON file in `Workload.to_dict`'s format."""
+    with open(path, encoding="utf-8") as file:
+        data = json.load(file)
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{path}: a workload is a JSON object")
+    return Workload.from_dict(data)
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A scheduling policy: the admission and batching rules handed to the core's Scheduler."""
+
+    name: str
+    title: str
+    admission: Admission
+    batching: Batching
+    summary: str = ""
+
+    def scheduler_config(self, workload: Workload) -> SchedulerConfig:
+        """The core's config for this policy under `workload`'s constants."""
+        return SchedulerConfig(
+            max_num_seqs=workload.num_slots,
+            max_model_len=workload.max_model_len,
+            max_num_batched_tokens=workload.max_num_batched_tokens,
+            prefill_chunk=workload.prefill_chunk,
+            admission=self.admission,
+            batching=self.batching,
+        )
+
+
+REQUEST_LEVEL = Scenario(
+    name="request",
+    title="Request-level batching",
+    admission="reserve",
+    batching="request",
+    summary="A batch forms while nothing runs and runs to completion; then the next one forms.",
+)
+CONTINUOUS_RESERVE = Scenario(
+    name="reserve",
+    title="Continuous batching, reserve at admission",
+    admission="reserve",
+    batching="continuous",
+    summary=(
+        "Requests join and leave at every step; admission takes a slot and blocks for the "
+        "prompt and the whole answer budget together."
+    ),
+)
+CONTINUOUS_SLOT_ONLY = Scenario(
+    name="slot-only",
+    title="Continuous batching, free slot alone",
+    admission="slot-only",
+    batching="continuous",
+    summary=(
+        "Requests join as soon as a slot is free; blocks are taken only as positions need "
+        "them, so the pool can run dry with every sequence half done."
+    ),
+)
+SCENARIOS: tuple[Scenario, ...] = (REQUEST_LEVEL, CONTINUOUS_RESERVE, CONTINUOUS_SLOT_ONLY)
+
+
+def scenario_by_name(name: str) -> Scenario:
+    """One of `SCENARIOS` by its name; ValueError for an unknown name."""
+    for scenario in SCENARIOS:
+        if scenario.name == name:
+            return scenario
+    names = ", ".join(scenario.name for scenario in SCENARIOS)
+    raise ValueError(f"unknown scenario {name!r} (choose from {names})")
+
+
+@dataclass(frozen=True, slots=True)
+class SlotView:
+    """A slot's sequence after a step computed (before finished requests leave)."""
+
+    slot: int
+    request_id: str
+    num_prompt_tokens: int
+    num_computed: int  # positions whose KV exists
+    num_output: int  # tokens sampled so far
+    answer_length: int
+
+
+@dataclass(frozen=True, slots=True)
+class RowView:
+    """One sequence's rows in a step: a prefill chunk, or one decode row."""
+
+    request_id: str
+    slot: int
+    is_prefill: bool
+    start: int
+    num_tokens: int
+    samples: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """Everything one step did and left behind, as the core reported it.
+
+    Slots, blocks and counts are taken after the step computed and before finished requests
+    are released, so a request returned in this step is still drawn in its slot.
+    `stalled_ids` are running sequences that got no rows; `queued_ids` wait at the door, each
+    for the reason (a key of `QUEUE_REASONS`) at the same index of `queue_reasons`.
+    """
+
+    step: int
+    slots: tuple[SlotView | None, ...]
+    block_owners: tuple[str | None, ...]
+    block_fill: tuple[int, ...]  # positions holding KV in each block
+    queued_ids: tuple[str, ...]
+    queue_reasons: tuple[str, ...]
+    rows: tuple[RowView, ...]
+    stalled_ids: tuple[str, ...]
+    arrived_ids: tuple[str, ...]
+    admitted_ids: tuple[str, ...]
+    refused_ids: tuple[str, ...]
+    first_token_ids: tuple[str, ...]
+    returned_ids: tuple[str, ...]
+    stuck: bool
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in this step's forward pass."""
+        return sum(row.num_tokens for row in self.rows)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by some request."""
+        return sum(owner is not None for owner in self.block_owners)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """What happened to one request, in steps."""
+
+    request_id: str
+    arrival_step: int
+    num_prompt_tokens: int
+    answer_length: int
+    status: Status
+    admitted_step: int | None = None
+    first_token_step: int | None = None
+    returned_step: int | None = None
+    arrived_during_batch: bool = False  # a closed request-level batch was running at arrival
+    reason: str | None = None  # why it is stuck, refused or unfinished
+
+    @property
+    def time_to_first_token(self) -> int | None:
+        """Steps from arrival until the first token exists; None without one."""
+        if self.first_token_step is None:
+            return None
+        return self.first_token_step + 1 - self.arrival_step
+
+    @property
+    def time_to_return(self) -> int | None:
+        """Steps from arrival until the whole answer exists; None when it never returned."""
+        if self.returned_step is None:
+            return None
+        return self.returned_step + 1 - self.arrival_step
+
+
+@dataclass(frozen=True, slots=True)
+class SimulationResult:
+    """One scenario run over one workload: a frame per step and an outcome per request."""
+
+    scenario: Scenario
+    workload: Workload
+    config: SchedulerConfig
+    frames: tuple[Frame, ...]
+    requests: tuple[RequestOutcome, ...]
+    stuck_step: int | None = None  # the first step whose plan had no rows while requests ran
+    stuck_reason: str | None = None
+
+    @property
+    def num_steps(self) -> int:
+        """Steps simulated."""
+        return len(self.frames)
+
+    def outcome(self, request_id: str) -> RequestOutcome:
+        """The outcome of `request_id`; KeyError when the workload has no such request."""
+        for outcome in self.requests:
+            if outcome.request_id == request_id:
+                return outcome
+        raise KeyError(request_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data: scenario, workload, frames and per-request outcomes."""
+        requests = []
+        for outcome in self.requests:
+            data = asdict(outcome)
+            data["time_to_first_token"] = outcome.time_to_first_token
+            data["time_to_return"] = outcome.time_to_return
+            requests.append(data)
+        return {
+            "scenario": asdict(self.scenario),
+            "workload": self.workload.to_dict(),
+            "frames": [asdict(frame) for frame in self.frames],
+            "requests": requests,
+            "stuck_step": self.stuck_step,
+            "stuck_reason": self.stuck_reason,
+        }
+
+
+@dataclass
+class _Progress:
+    """The simulator's own record of a request while it runs."""
+
+    spec: RequestSpec
+    answer_length: int = 0  # capped by the reserve the scheduler resolved
+    admitted_step: int | None = None
+    first_token_step: int | None = None
+    returned_step: int | None = None
+    arrived_during_batch: bool = False
+    refusal: str | None = None
+    done: bool = False
+
+
+@dataclass
+class _StepEvents:
+    arrived_ids: list[str] = field(default_factory=list)
+    admitted_ids: list[str] = field(default_factory=list)
+    refused_ids: list[str] = field(default_factory=list)
+    first_token_ids: list[str] = field(default_factory=list)
+    returned_ids: list[str] = field(default_factory=list)
+
+
+def default_max_steps(workload: Workload) -> int:
+    """A bound no run that makes progress can reach: after the last arrival every step that
+    is not stuck computes at least one row, and there are only so many rows to compute."""
+    last_arrival = max(request.arrival_step for request in workload.requests)
+    num_rows = sum(r.num_prompt_tokens + r.answer_length for r in workload.requests)
+    return last_arrival + num_rows + 1
+
+
+def simulate(
+    workload: Workload,
+    scenario: Scenario,
+    *,
+    config: SchedulerConfig | None = None,
+    max_steps: int | None = None,
+) -> SimulationResult:
+    """Run `workload` through the core's Scheduler under `scenario` (or an explicit `config`).
+
+    The run ends when every request has returned or been refused, or when the scheduler is
+    stuck (running sequences, a plan without rows) and no request is still to arrive: nothing
+    can finish then, so nothing can ever be released. `max_steps` is a safety bound (default:
+    `default_max_steps`); requests left when it is reached are reported as unfinished.
+    """
+    config = scenario.scheduler_config(workload) if config is None else config
+    pool = BlockPool(workload.num_blocks, workload.block_size)
+    scheduler = Scheduler(config, pool, workload.max_model_len)
+    # Nobody is turned away or times out at the door here; the figure is about the step loop.
+    queue = AdmissionQueue(
+        max_waiters=len(workload.requests), timeout=math.inf, max_overtakes=config.max_num_seqs
+    )
+    progress = {request.request_id: _Progress(request) for request in workload.requests}
+    last_arrival = max(request.arrival_step for request in workload.requests)
+    limit = default_max_steps(workload) if max_steps is None else max_steps
+    frames: list[Frame] = []
+    stuck_step: int | None = None
+    stuck_reason: str | None = None
+    for step in range(limit):
+        events = _StepEvents()
+        for request in workload.requests:
+            if request.arrival_step == step:
+                _arrive(scheduler, queue, progress[request.request_id], step, events)
+        for waiter in admit_waiting(scheduler, queue):
+            progress[waiter.request_id].admitted_step = step
+            events.admitted_ids.append(waiter.request_id)
+        # Asked before schedule(): under request-level batching planning closes the batch.
+        queue_reasons = tuple(_queue_reason(scheduler, waiter) for waiter in queue.waiters)
+        plan = scheduler.schedule()
+        stuck = scheduler.is_stuck(plan)
+        if stuck and stuck_step is None:
+            stuck_step = step
+            stuck_reason = _stuck_reason(scheduler, step)
+        scheduler.update(plan)
+        finished: list[str] = []
+        for chunk in plan.chunks:
+            seq = scheduler.get(chunk.request_id)
+            record = progress[chunk.request_id]
+            if seq is None or not chunk.samples:
+                continue
+            if seq.num_output == 1:
+                record.first_token_step = step
+                events.first_token_ids.append(chunk.request_id)
+            if seq.num_output >= record.answer_length:
+                record.returned_step = step
+                record.done = True
+                finished.append(chunk.request_id)
+                events.returned_ids.append(chunk.request_id)
+        frames.append(_frame(scheduler, queue_reasons, queue, plan, step, stuck, events, progress))
+        for request_id in finished:
+            scheduler.release(request_id)
+        if all(record.done for record in progress.values()):
+            break
+        if stuck and step >= last_arrival:
+            break
+    final_stuck = bool(frames) and frames[-1].stuck
+    outcomes = tuple(
+        _outcome(record, scheduler, queue, final_stuck, len(frames)) for record in progress.values()
+    )
+    return SimulationResult(
+        scenario=scenario,
+        workload=workload,
+        config=config,
+        frames=tuple(frames),
+        requests=outcomes,
+        stuck_step=stuck_step if final_stuck else None,
+        stuck_reason=stuck_reason if final_stuck else None,
+    )
+
+
+def simulate_all(
+    workload: Workload, scenarios: Sequence[Scenario] = SCENARIOS
+) -> list[SimulationResult]:
+    """`simulate` for each scenario, in order."""
+    return [simulate(workload, scenario) for scenario in scenarios]
+
+
+def _arrive(
+    scheduler: Scheduler,
+    queue: AdmissionQueue,
+    record: _Progress,
+    step: int,
+    events: _StepEvents,
+) -> None:
+    spec = record.spec
+    events.arrived_ids.append(spec.request_id)
+    try:
+        reserve = scheduler.check(spec.num_prompt_tokens, spec.budget)
+    except Infeasible as refused:
+        record.refusal = refused.reason
+        record.done = True
+        events.refused_ids.append(spec.request_id)
+        return
+    record.answer_length = min(spec.answer_length, reserve)
+    record.arrived_during_batch = not scheduler.batch_open
+    result = admit_or_enqueue(
+        scheduler, queue, spec.request_id, spec.num_prompt_tokens, reserve, float(step)
+    )
+    if result is Outcome.ADMITTED:
+        record.admitted_step = step
+        events.admitted_ids.append(spec.request_id)
+    elif result is Outcome.QUEUE_FULL:  # the queue holds every request; kept for safety
+        record.refusal = "the admission queue is full"
+        record.done = True
+        events.refused_ids.append(spec.request_id)
+
+
+def _queue_reason(scheduler: Scheduler, waiter: Waiter) -> str:
+    if not scheduler.batch_open:
+        return "batch"
+    if scheduler.num_free_slots == 0:
+        return "slot"
+    if not scheduler.can_admit(waiter.num_prompt_tokens, waiter.reserve):
+        return "blocks"
+    return "order"
+
+
+def _frame(
+    scheduler: Scheduler,
+    queue_reasons: tuple[str, ...],
+    queue: AdmissionQueue,
+    plan: StepPlan,
+    step: int,
+    stuck: bool,
+    events: _StepEvents,
+    progress: Mapping[str, _Progress],
+) -> Frame:
+    pool = scheduler.pool
+    block_size = pool.block_size
+    slots: list[SlotView | None] = [None] * scheduler.config.max_num_seqs
+    owners: list[str | None] = [None] * pool.num_blocks
+    fill = [0] * pool.num_blocks
+    for seq in scheduler.running:
+        slots[seq.slot] = SlotView(
+            slot=seq.slot,
+            request_id=seq.request_id,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_computed=seq.num_computed,
+            num_output=seq.num_output,
+            answer_length=progress[seq.request_id].answer_length,
+        )
+        for index, block_id in enumerate(pool.table(seq.request_id)):
+            owners[block_id] = seq.request_id
+            fill[block_id] = min(max(seq.num_computed - index * block_size, 0), block_size)
+    rows = tuple(
+        RowView(
+            request_id=chunk.request_id,
+            slot=chunk.slot,
+            is_prefill=chunk.is_prefill,
+            start=chunk.start,
+            num_tokens=chunk.num_tokens,
+            samples=chunk.samples,
+        )
+        for chunk in plan.chunks
+    )
+    return Frame(
+        step=step,
+        slots=tuple(slots),
+        block_owners=tuple(owners),
+        block_fill=tuple(fill),
+        queued_ids=tuple(waiter.request_id for waiter in queue.waiters),
+        queue_reasons=queue_reasons,
+        rows=rows,
+        stalled_ids=tuple(plan.waiting_ids),
+        arrived_ids=tuple(events.arrived_ids),
+        admitted_ids=tuple(events.admitted_ids),
+        refused_ids=tuple(events.refused_ids),
+        first_token_ids=tuple(events.first_token_ids),
+        returned_ids=tuple(events.returned_ids),
+        stuck=stuck,
+    )
+
+
+def _stuck_reason(scheduler: Scheduler, step: int) -> str:
+    pool = scheduler.pool
+    held = ", ".join(
+        f"{seq.request_id} {len(pool.table(seq.request_id))}" for seq in scheduler.running
+    )
+    return (
+        f"stuck at step {step}: {pool.num_used} of {pool.num_blocks} blocks are held ({held}), "
+        f"{pool.num_free} free; no running sequence can grow, so none can finish and free "
+        "its blocks"
+    )
+
+
+def _outcome(
+    record: _Progress,
+    scheduler: Scheduler,
+    queue: AdmissionQueue,
+    stuck: bool,
+    num_steps: int,
+) -> RequestOutcome:
+    spec = record.spec
+    status: Status
+    reason: str | None = None
+    if record.refusal is not None:
+        status, reason = "refused", record.refusal
+    elif record.returned_step is not None:
+        status = "returned"
+    elif not stuck:
+        status, reason = "unfinished", f"not done after {num_steps} steps (the step limit)"
+    else:
+        status = "stuck"
+        seq = scheduler.get(spec.request_id)
+        if seq is not None and seq.is_prefilling:
+            reason = (
+                f"prefill stopped at {seq.num_computed}/{seq.num_prompt_tokens} prompt "
+                "positions: the next chunk needs a block and none is free"
+            )
+        elif seq is not None:
+            reason = (
+                f"stopped after {seq.num_output}/{record.answer_length} answer tokens: "
+                "the next position needs a block and none is free"
+            )
+        else:
+            reason = "queued: no running request can finish to free a slot or blocks"
+    return RequestOutcome(
+        request_id=spec.request_id,
+        arrival_step=spec.arrival_step,
+        num_prompt_tokens=spec.num_prompt_tokens,
+        answer_length=spec.answer_length,
+        status=status,
+        admitted_step=record.admitted_step,
+        first_token_step=record.first_token_step,
+        returned_step=record.returned_step,
+        arrived_during_batch=record.arrived_during_batch,
+        reason=reason,
+    )
+
+
+def format_table(result: SimulationResult) -> str:
+    """The terminal table of one scenario: per request arrival, admission, first token, return,
+    TTFT and time to return in steps, or the reason it never returned."""
+    header = (
+        "request",
+        "arrives",
+        "prompt",
+        "answer",
+        "admitted",
+        "first token",
+        "returned",
+        "TTFT",
+        "to return",
+        "note",
+    )
+
+    def cell(value: int | None) -> str:
+        return "-" if value is None else str(value)
+
+    rows: list[tuple[str, ...]] = []
+    for outcome in result.requests:
+        if outcome.status == "returned":
+            note = "arrived while a batch ran" if outcome.arrived_during_batch else ""
+            returned = cell(outcome.returned_step)
+        else:
+            note = outcome.reason or ""
+            returned = outcome.status
+        rows.append(
+            (
+                outcome.request_id,
+                str(outcome.arrival_step),
+                str(outcome.num_prompt_tokens),
+                str(outcome.answer_length),
+                cell(outcome.admitted_step),
+                cell(outcome.first_token_step),
+                returned,
+                cell(outcome.time_to_first_token),
+                cell(outcome.time_to_return),
+                note,
+            )
+        )
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+
+    def line(row: tuple[str, ...]) -> str:
+        cells = [row[0].ljust(widths[0])]
+        cells += [value.rjust(width) for value, width in zip(row[1:-1], widths[1:], strict=True)]
+        return ("  ".join(cells) + "  " + row[-1]).rstrip()
+
+    scenario = result.scenario
+    title = f"{scenario.title} ({scenario.name}): {result.num_steps} steps"
+    lines = [title, "  " + scenario.summary] if scenario.summary else [title]
+    lines += ["", "  " + line(header)]
+    lines += ["  " + line(row) for row in rows]
+    if result.stuck_reason is not None:
+        lines += ["", "  " + result.stuck_reason]
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""The simulator's page in a real browser: Debian's headless Chromium driven by Playwright.
+
+Clicking through the page must draw, for every scenario, exactly the state the simulator
+computes in Python for that step: block owners and fill, slot contents, the queue and the rows.
+The page must not reach the network, and a screenshot must show a drawing, not a blank page.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy
+import pytest
+from PIL import Image
+
+from kvserve.sim import DEFAULT_WORKLOAD, SimulationResult, simulate_all
+from kvserve.sim.figure import request_colors, write_html
+
+CHROMIUM = "/usr/bin/chromium"
+LAUNCH_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+READ_STATE = """() => ({
+  step: Number(document.getElementById("step-label").dataset.step),
+  scenarios: [...document.querySelectorAll(".scenario")].map((section) => ({
+    name: section.dataset.scenario,
+    step: Number(section.dataset.step),
+    stuck: section.classList.contains("is-stuck"),
+    owners: [...section.querySelectorAll(".pool .block")].map((b) => b.dataset.owner),
+    fill: [...section.querySelectorAll(".pool .block")].map((b) => Number(b.dataset.fill)),
+    slots: [...section.querySelectorAll(".slots .slot")].map((s) => s.dataset.request),
+    queued: [...section.querySelectorAll(".queue .queued")].map((q) => q.dataset.request),
+    rows: [...section.querySelectorAll(".rows .row:not(.unused)")].map(
+      (r) => [r.dataset.request, r.dataset.kind]),
+    status: section.querySelector(".status").textContent,
+  })),
+})"""
+
+
+def expected_state(result: SimulationResult, step: int) -> dict[str, Any]:
+    """What the page must draw for `result` at `step`, computed from the Python run."""
+    frame = result.frames[min(step, result.num_steps - 1)]
+    rows = []
+    for row in frame.rows:
+        kind = "prefill" if row.is_prefill else "decode"
+        rows += [[row.request_id, kind]] * row.num_tokens
+    return {
+        "name": result.scenario.name,
+        "step": frame.step,
+        "stuck": frame.stuck,
+        "owners": [owner or "" for owner in frame.block_owners],
+        "fill": list(frame.block_fill),
+        "slots": [slot.request_id if slot else "" for slot in frame.slots],
+        "queued": list(frame.queued_ids),
+        "rows": rows,
+    }
+
+
+def drawn(state: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {key: value for key, value in scenario.items() if key != "status"}
+        for scenario in state["scenarios"]
+    ]
+
+
+@pytest.fixture(scope="module")
+def results() -> list[SimulationResult]:
+    return simulate_all(DEFAULT_WORKLOAD)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not Path(CHROMIUM).exists() or shutil.which(CHROMIUM) is None:
+        pytest.fail(
+            f"Chromium is required for this test and was not found at {CHROMIUM}; "
+            "install Debian's package: apt-get install -y chromium"
+        )
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("the 'playwright' package is required: pip install playwright")
+    with sync_playwright() as playwright:
+        instance = playwright.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        try:
+            yield instance
+        finally:
+            instance.close()
+
+
+@pytest.fixture
+def page(browser: Any, results: list[SimulationResult], tmp_path: Path) -> Iterator[Any]:
+    path = write_html(tmp_path / "simulator.html", results)
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    outside: list[str] = []
+    errors: list[str] = []
+
+    def only_the_file(route: Any) -> None:
+        url = route.request.url
+        if url.startswith("file://"):
+            route.continue_()
+        else:
+            outside.append(url)
+            route.abort()
+
+    page.route("**/*", only_the_file)
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.goto(path.resolve().as_uri())
+    page.wait_for_selector("body[data-ready=true]")
+    yield page
+    context.close()
+    assert outside == [], "the page tried to reach the network"
+    assert errors == [], "the page reported errors"
+
+
+def test_next_step_draws_the_simulators_next_state(
+    page: Any, results: list[SimulationResult]
+) -> None:
+    before = page.evaluate(READ_STATE)
+    assert before["step"] == 0
+    assert drawn(before) == [expected_state(result, 0) for result in results]
+    page.click("#next")
+    after = page.evaluate(READ_STATE)
+    assert after["step"] == 1
+    assert drawn(after) == [expected_state(result, 1) for result in results]
+    assert drawn(after) != drawn(before)
+
+
+def test_stepping_forwards_and_backwards_through_the_stuck_pool(
+    page: Any, results: list[SimulationResult]
+) -> None:
+    slot_only = next(result for result in results if result.scenario.name == "slot-only")
+    stuck_step = slot_only.stuck_step
+    assert stuck_step is not None
+    seen_changes = 0
+    previous = drawn(page.evaluate(READ_STATE))
+    for step in range(1, stuck_step + 1):
+        page.click("#next")
+        state = page.evaluate(READ_STATE)
+        assert state["step"] == step
+        assert drawn(state) == [expected_state(result, step) for result in results]
+        seen_changes += drawn(state) != previous
+        previous = drawn(state)
+    assert seen_changes == stuck_step
+    stuck_panel = page.evaluate(READ_STATE)["scenarios"][2]
+    assert stuck_panel["stuck"] and f"stuck at step {stuck_step}" in stuck_panel["status"]
+    assert "" not in stuck_panel["owners"]  # every block taken
+    page.click("#prev")
+    state = page.evaluate(READ_STATE)
+    assert state["step"] == stuck_step - 1 and not state["scenarios"][2]["stuck"]
+    assert drawn(state) == [expected_state(result, stuck_step - 1) for result in results]
+    # The slider jumps anywhere, including past a scenario's last step (its last frame stays).
+    last = max(result.num_steps for result in results) - 1
+    page.locator("#slider").fill(str(last))
+    state = page.evaluate(READ_STATE)
+    assert state["step"] == last
+    assert drawn(state) == [expected_state(result, last) for result in results]
+    page.keyboard.press("Home")
+    assert page.evaluate(READ_STATE)["step"] == 0
+
+
+def test_the_screenshot_shows_the_drawing(page: Any, results: list[SimulationResult]) -> None:
+    for _ in range(6):
+        page.click("#next")
+    image = Image.open(io.BytesIO(page.screenshot(full_page=True))).convert("RGB")
+    pixels = numpy.asarray(image).reshape(-1, 3)
+    distinct = {tuple(int(c) for c in color) for color in numpy.unique(pixels, axis=0)}
+    assert len(distinct) > 50
+    assert float(pixels.mean(axis=1).std()) > 20
+    # Every request that holds a block at this step is drawn in its own colour.
+    frame = results[1].frames[6]
+    colors = request_colors(DEFAULT_WORKLOAD)
+    owners = {owner for owner in frame.block_owners if owner is not None}
+    assert owners
+    for owner in owners:
+        hex_color = colors[owner]
+        rgb = tuple(int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
+        assert rgb in distinct, owner
