@@ -52,15 +52,14 @@ def _optional_int(text: str) -> int | None:
     return None if text.lower() in ("", "none", "auto") else int(text)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that runs the engine (serve, generate, bench engine)."""
+def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
+    """Flags shared by every command that runs the engine (serve, generate)."""
     e = env_default
-    parser.add_argument(
-        "model",
-        nargs="?",
-        default=e("--model", None),
-        help="a .gguf file or a Hugging Face model directory (default: embedded SmolLM2-135M)",
-    )
+    model_help = "a .gguf file or a Hugging Face model directory (default: embedded SmolLM2-135M)"
+    if positional_model:
+        parser.add_argument("model", nargs="?", default=e("--model", None), help=model_help)
+    else:
+        parser.add_argument("--model", default=e("--model", None), help=model_help)
     g = parser.add_argument_group("device")
     g.add_argument("--device", default=e("--device", "auto"), help="auto | cpu | cuda[:N]")
     g.add_argument(

@@ -16,19 +16,23 @@ import torch.nn.functional as F
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.kv_cache import KVCache
+from kvserve.model.linear import Linear
 
 # A loader hands tensors over by Hugging Face name, already in HF layout ([out, in], un-permuted).
 TensorSource = Callable[[str], torch.Tensor | None]
 
+# Candidates per row whose logits are recomputed in float32 when the weights are bf16/fp16.
+REFINE_TOP_K = 16
+
 
 @dataclass(slots=True)
 class LayerWeights:
-    attn_norm: torch.Tensor  # [hidden]
+    attn_norm: torch.Tensor  # [hidden], float32
     qkv: torch.Tensor  # [q + 2 kv, hidden]
     qkv_bias: torch.Tensor | None  # [q + 2 kv]
     qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: q_norm rows then k_norm rows
     o: torch.Tensor  # [hidden, q]
-    mlp_norm: torch.Tensor  # [hidden]
+    mlp_norm: torch.Tensor  # [hidden], float32
     gate_up: torch.Tensor  # [2 intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
 
@@ -47,16 +51,22 @@ class LlamaModel:
         self.config = config
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
-        self.norm = norm  # [hidden]
+        self.norm = norm  # [hidden], float32
         self.lm_head = lm_head  # [vocab, hidden] (the same tensor as embed when tied)
+        # Per layer: (q|k|v, o, gate|up, down) as prepared products.
+        self.projections = [
+            (Linear(l.qkv, l.qkv_bias), Linear(l.o), Linear(l.gate_up), Linear(l.down))
+            for l in layers
+        ]
+        self.head = Linear(lm_head)
         self.dtype = embed.dtype
         self.device = embed.device
         self.scale = config.head_dim**-0.5
-        self.native = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
-        if self.native:
-            from kvserve.model import native
+        from kvserve.model import native
 
-            self.native = native.library() is not None
+        self.native = native.supports(
+            self.device, self.dtype, config.num_heads, config.num_kv_heads, config.head_dim
+        )
         self._build_rope_tables(config.max_position_embeddings)
 
     # -- construction -------------------------------------------------------------------------
@@ -86,6 +96,10 @@ class LlamaModel:
         def place(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.to(device=device, dtype=dtype).contiguous()
 
+        def place_norm(tensor: torch.Tensor) -> torch.Tensor:
+            # Norms act on the float32 residual stream.
+            return tensor.to(device=device, dtype=torch.float32).contiguous()
+
         embed = place(need("model.embed_tokens.weight"))
         if progress:
             progress(1)
@@ -114,19 +128,19 @@ class LlamaModel:
             )
             layers.append(
                 LayerWeights(
-                    attn_norm=place(need(p + "input_layernorm.weight")),
+                    attn_norm=place_norm(need(p + "input_layernorm.weight")),
                     qkv=place(qkv),
                     qkv_bias=bias,
                     qk_norm=qk_norm,
                     o=place(need(p + "self_attn.o_proj.weight")),
-                    mlp_norm=place(need(p + "post_attention_layernorm.weight")),
+                    mlp_norm=place_norm(need(p + "post_attention_layernorm.weight")),
                     gate_up=place(gate_up),
                     down=place(need(p + "mlp.down_proj.weight")),
                 )
             )
             if progress:
                 progress(1)
-        norm = place(need("model.norm.weight"))
+        norm = place_norm(need("model.norm.weight"))
         head = None if config.tie_word_embeddings else get("lm_head.weight")
         lm_head = embed if head is None else place(head)
         if progress:
@@ -158,8 +172,14 @@ class LlamaModel:
         self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
         """Run one step. token_ids: [rows] long. Returns float32 logits
-        `[len(meta.logits_indices), vocab]` for the rows that sample."""
+        `[len(meta.logits_indices), vocab]` for the rows that sample.
+
+        The residual stream stays in float32 whatever the weights' dtype (as llama.cpp keeps
+        its activations): only matmul inputs are cast down. With bf16 weights on a small model
+        the difference decides greedy choices between near-tied tokens.
+        """
         cfg = self.config
+        dtype = self.dtype
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         num_heads, num_kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         rows = token_ids.shape[0]
@@ -169,10 +189,11 @@ class LlamaModel:
         cos = self.rope_cos[meta.positions].unsqueeze(1)
         sin = self.rope_sin[meta.positions].unsqueeze(1)
 
-        x = F.embedding(token_ids, self.embed)  # [rows, hidden]
+        x = F.embedding(token_ids, self.embed).float()  # [rows, hidden] residual, fp32
         for index, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (hidden,), layer.attn_norm, eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [rows, q + 2 kv]
+            qkv_proj, o_proj, gate_up_proj, down_proj = self.projections[index]
+            h = F.rms_norm(x, (hidden,), layer.attn_norm, eps).to(dtype)
+            qkv = qkv_proj(h)  # [rows, q + 2 kv]
             qk = qkv[:, :qk_size].view(rows, num_heads + num_kv_heads, head_dim)
             if layer.qk_norm is not None:
                 qk = F.rms_norm(qk, (head_dim,), None, eps) * layer.qk_norm
@@ -187,13 +208,28 @@ class LlamaModel:
                 self.scale,
                 self.native,
             )
-            x = x + F.linear(attn, layer.o)
-            h = F.rms_norm(x, (hidden,), layer.mlp_norm, eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            x.add_(o_proj(attn))
+            h = F.rms_norm(x, (hidden,), layer.mlp_norm, eps).to(dtype)
+            gate, up = gate_up_proj(h).chunk(2, dim=-1)
+            x.add_(down_proj(F.silu(gate) * up))
 
         x = F.rms_norm(x[meta.logits_indices], (hidden,), self.norm, eps)
-        return F.linear(x, self.lm_head).float()
+        return self.logits(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits of normalized hidden states x: [rows, hidden] (float32).
+
+        With low-precision weights the full-vocabulary product is rounded to that precision
+        (bf16 keeps 8 bits: steps of 0.125 around logit 20), so the few best candidates of each
+        row are recomputed exactly in float32. Greedy choices and the head of the distribution
+        are then as exact as the weights allow, for the cost of a [rows, k] product.
+        """
+        if self.dtype == torch.float32:
+            return F.linear(x, self.lm_head)
+        logits = self.head(x.to(self.dtype)).float()
+        top = logits.topk(REFINE_TOP_K, dim=-1).indices  # [rows, k]
+        exact = torch.bmm(self.lm_head[top].float(), x.unsqueeze(-1)).squeeze(-1)
+        return logits.scatter_(1, top, exact)
 
 
 def vars_of(layer: LayerWeights) -> list[torch.Tensor | None]:

@@ -101,13 +101,18 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def supports(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    """Whether the C decode kernel can take these tensors."""
+MAX_GROUP = 16
+HEAD_DIMS = (64, 128)
+
+
+def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+             head_dim: int) -> bool:
+    """Whether the C decode kernel handles this model on this device (else: torch path)."""
     return (
-        q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.bfloat16)
-        and kv_layer.dtype == q.dtype
-        and kv_layer.is_contiguous()
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and head_dim in HEAD_DIMS
+        and num_heads // num_kv_heads <= MAX_GROUP
         and library() is not None
     )
 

@@ -4,7 +4,8 @@
  *
  * Cache layout of one layer: [2][kv_heads][num_blocks][block_size][head_dim] (K then V), so the
  * positions of one head inside a block are contiguous. The `group` query heads that share a KV
- * head are handled together, so each K/V row is read once per (sequence, KV head).
+ * head are handled together: each K/V row is read and converted once per (sequence, KV head).
+ * Work is split over (sequence, KV head) pairs with OpenMP.
  *
  * Compiled at first use with the system C compiler (-O3 -march=native -fopenmp). libgomp is
  * resolved by soname, so the process's already-loaded OpenMP runtime (torch's) is the one used.
@@ -13,6 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#define MAX_GROUP 16
 
 static inline float bf16_to_float(uint16_t h) {
     union { uint32_t u; float f; } x;
@@ -28,80 +31,121 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((x.u + rounding) >> 16);
 }
 
-#define MAX_GROUP 16
-#define MAX_HEAD_DIM 256
+static inline float float_identity(float f) { return f; }
 
-/* Shared body; LOAD converts one cache/query element to float, STORE writes one output. */
-#define PAGED_DECODE_BODY(T, LOAD, STORE)                                                          \
-    const int64_t group = num_heads / num_kv_heads;                                                 \
-    const int64_t head_stride = num_blocks * block_size * head_dim; /* one KV head */              \
-    const T *k_base = kv;                                                                           \
-    const T *v_base = kv + num_kv_heads * head_stride;                                              \
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                      \
-    for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {                                \
-        const int64_t seq = task / num_kv_heads, kvh = task % num_kv_heads;                         \
-        const int64_t length = lengths[seq];                                                        \
-        const int64_t *table = block_tables + seq * table_width;                                    \
-        float qf[MAX_GROUP][MAX_HEAD_DIM];                                                          \
-        float acc[MAX_GROUP][MAX_HEAD_DIM];                                                         \
-        float *scores = (float *)malloc(sizeof(float) * group * (length > 0 ? length : 1));         \
-        const T *qrow = q + seq * q_row_stride + kvh * group * head_dim;                            \
-        for (int64_t g = 0; g < group; g++)                                                         \
-            for (int64_t d = 0; d < head_dim; d++) qf[g][d] = LOAD(qrow[g * head_dim + d]) * scale; \
-        const T *k_head = k_base + kvh * head_stride;                                               \
-        const T *v_head = v_base + kvh * head_stride;                                               \
-        for (int64_t j = 0; j < length; j++) {                                                      \
-            const T *krow = k_head + (table[j / block_size] * block_size + j % block_size) * head_dim; \
-            for (int64_t g = 0; g < group; g++) {                                                   \
-                float s = 0.f;                                                                      \
-                _Pragma("omp simd reduction(+:s)")                                                  \
-                for (int64_t d = 0; d < head_dim; d++) s += qf[g][d] * LOAD(krow[d]);              \
-                scores[g * length + j] = s;                                                         \
-            }                                                                                       \
-        }                                                                                           \
-        for (int64_t g = 0; g < group; g++) {                                                       \
-            float *sg = scores + g * length;                                                        \
-            float top = -INFINITY, total = 0.f;                                                     \
-            for (int64_t j = 0; j < length; j++) top = sg[j] > top ? sg[j] : top;                   \
-            for (int64_t j = 0; j < length; j++) { sg[j] = expf(sg[j] - top); total += sg[j]; }     \
-            const float inv = total > 0.f ? 1.f / total : 0.f;                                      \
-            for (int64_t j = 0; j < length; j++) sg[j] *= inv;                                      \
-            memset(acc[g], 0, sizeof(float) * head_dim);                                            \
-        }                                                                                           \
-        for (int64_t j = 0; j < length; j++) {                                                      \
-            const T *vrow = v_head + (table[j / block_size] * block_size + j % block_size) * head_dim; \
-            for (int64_t g = 0; g < group; g++) {                                                   \
-                const float p = scores[g * length + j];                                             \
-                _Pragma("omp simd")                                                                 \
-                for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * LOAD(vrow[d]);             \
-            }                                                                                       \
-        }                                                                                           \
-        T *orow = out + seq * out_row_stride + kvh * group * head_dim;                              \
-        for (int64_t g = 0; g < group; g++)                                                         \
-            for (int64_t d = 0; d < head_dim; d++) orow[g * head_dim + d] = STORE(acc[g][d]);       \
-        free(scores);                                                                               \
+/* exp(x) for the softmax (x <= 0 after subtracting the row maximum), Cephes' expf polynomial:
+ * within about one ulp of expf, written with plain float ops so the loop around it vectorizes
+ * (a libm call per element cost more than the rest of the kernel). */
+static inline float softmax_exp(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return y * scale.f;
+}
+
+/* One (sequence, KV head) task, head_dim fixed at compile time so the inner loops vectorize. */
+#define DEFINE_TASK(NAME, T, LOAD, STORE, HD)                                                       \
+    static void NAME(const T *q, T *out, const T *k_head, const T *v_head, const int64_t *table,   \
+                     int64_t length, int64_t group, int64_t block_size, float scale,              \
+                     float *scores) {                                                             \
+        float qf[MAX_GROUP][HD], acc[MAX_GROUP][HD], row[HD];                                     \
+        for (int64_t g = 0; g < group; g++) {                                                     \
+            for (int d = 0; d < HD; d++) qf[g][d] = LOAD(q[g * HD + d]) * scale;                  \
+            memset(acc[g], 0, sizeof(acc[g]));                                                    \
+        }                                                                                         \
+        const int64_t num_used = (length + block_size - 1) / block_size;                          \
+        for (int64_t b = 0; b < num_used; b++) {                                                  \
+            const T *base = k_head + table[b] * block_size * HD;                                  \
+            const int64_t n = length - b * block_size < block_size ? length - b * block_size      \
+                                                                   : block_size;                  \
+            for (int64_t o = 0; o < n; o++) {                                                     \
+                const T *k = base + o * HD;                                                       \
+                _Pragma("omp simd") for (int d = 0; d < HD; d++) row[d] = LOAD(k[d]);             \
+                for (int64_t g = 0; g < group; g++) {                                             \
+                    float s = 0.f;                                                                \
+                    _Pragma("omp simd reduction(+ : s)") for (int d = 0; d < HD; d++) s +=        \
+                        qf[g][d] * row[d];                                                        \
+                    scores[g * length + b * block_size + o] = s;                                  \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t g = 0; g < group; g++) {                                                     \
+            float *s = scores + g * length, top = -INFINITY, total = 0.f;                         \
+            _Pragma("omp simd reduction(max : top)") for (int64_t j = 0; j < length; j++) top =   \
+                s[j] > top ? s[j] : top;                                                          \
+            _Pragma("omp simd reduction(+ : total)") for (int64_t j = 0; j < length; j++) {       \
+                s[j] = softmax_exp(s[j] - top);                                                   \
+                total += s[j];                                                                    \
+            }                                                                                     \
+            const float inv = 1.f / total;                                                        \
+            _Pragma("omp simd") for (int64_t j = 0; j < length; j++) s[j] *= inv;                 \
+        }                                                                                         \
+        for (int64_t b = 0; b < num_used; b++) {                                                  \
+            const T *base = v_head + table[b] * block_size * HD;                                  \
+            const int64_t n = length - b * block_size < block_size ? length - b * block_size      \
+                                                                   : block_size;                  \
+            for (int64_t o = 0; o < n; o++) {                                                     \
+                const T *v = base + o * HD;                                                       \
+                _Pragma("omp simd") for (int d = 0; d < HD; d++) row[d] = LOAD(v[d]);             \
+                for (int64_t g = 0; g < group; g++) {                                             \
+                    const float p = scores[g * length + b * block_size + o];                      \
+                    _Pragma("omp simd") for (int d = 0; d < HD; d++) acc[g][d] += p * row[d];     \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t g = 0; g < group; g++)                                                       \
+            for (int d = 0; d < HD; d++) out[g * HD + d] = STORE(acc[g][d]);                      \
     }
 
-#define IDENTITY(x) (x)
+DEFINE_TASK(task_f32_64, float, float_identity, float_identity, 64)
+DEFINE_TASK(task_f32_128, float, float_identity, float_identity, 128)
+DEFINE_TASK(task_bf16_64, uint16_t, bf16_to_float, float_to_bf16, 64)
+DEFINE_TASK(task_bf16_128, uint16_t, bf16_to_float, float_to_bf16, 128)
 
-int kvserve_paged_decode_f32(const float *q, int64_t q_row_stride, const float *kv,
-                             const int64_t *block_tables, int64_t table_width,
-                             const int64_t *lengths, float *out, int64_t out_row_stride,
-                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                             int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
-                             int num_threads) {
-    if (num_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
-    PAGED_DECODE_BODY(float, IDENTITY, IDENTITY)
-    return 0;
-}
+#define DEFINE_ENTRY(NAME, T, TASK64, TASK128)                                                      \
+    int NAME(const T *q, int64_t q_row_stride, const T *kv, const int64_t *block_tables,          \
+             int64_t table_width, const int64_t *lengths, T *out, int64_t out_row_stride,         \
+             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,         \
+             int64_t num_blocks, int64_t block_size, float scale, int num_threads) {              \
+        const int64_t group = num_heads / num_kv_heads;                                           \
+        if (group > MAX_GROUP || (head_dim != 64 && head_dim != 128)) return -1;                  \
+        const int64_t head_stride = num_blocks * block_size * head_dim;                           \
+        const T *k_base = kv, *v_base = kv + num_kv_heads * head_stride;                          \
+        _Pragma("omp parallel num_threads(num_threads)") {                                        \
+            float *scores = NULL;                                                                 \
+            int64_t capacity = 0;                                                                 \
+            _Pragma("omp for schedule(dynamic, 4)") for (int64_t task = 0;                        \
+                                                         task < num_seqs * num_kv_heads; task++) { \
+                const int64_t seq = task / num_kv_heads, h = task % num_kv_heads;                 \
+                const int64_t length = lengths[seq];                                              \
+                if (group * length > capacity) {                                                  \
+                    free(scores);                                                                 \
+                    capacity = group * length * 2;                                                \
+                    scores = (float *)malloc(sizeof(float) * capacity);                           \
+                }                                                                                 \
+                const T *qrow = q + seq * q_row_stride + h * group * head_dim;                    \
+                T *orow = out + seq * out_row_stride + h * group * head_dim;                       \
+                const int64_t *table = block_tables + seq * table_width;                          \
+                if (head_dim == 64)                                                               \
+                    TASK64(qrow, orow, k_base + h * head_stride, v_base + h * head_stride, table, \
+                           length, group, block_size, scale, scores);                             \
+                else                                                                              \
+                    TASK128(qrow, orow, k_base + h * head_stride, v_base + h * head_stride,       \
+                            table, length, group, block_size, scale, scores);                     \
+            }                                                                                     \
+            free(scores);                                                                         \
+        }                                                                                         \
+        return 0;                                                                                 \
+    }
 
-int kvserve_paged_decode_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *kv,
-                              const int64_t *block_tables, int64_t table_width,
-                              const int64_t *lengths, uint16_t *out, int64_t out_row_stride,
-                              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                              int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
-                              int num_threads) {
-    if (num_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
-    PAGED_DECODE_BODY(uint16_t, bf16_to_float, float_to_bf16)
-    return 0;
-}
+DEFINE_ENTRY(kvserve_paged_decode_f32, float, task_f32_64, task_f32_128)
+DEFINE_ENTRY(kvserve_paged_decode_bf16, uint16_t, task_bf16_64, task_bf16_128)

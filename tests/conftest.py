@@ -1,0 +1,36 @@
+"""Shared fixtures: the default model is loaded once per test session and shared read-only."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    from kvserve.model.paths import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def loaded_fp32():
+    """The default model in float32 (exact comparisons)."""
+    from kvserve.config import DeviceConfig
+    from kvserve.model.loader import load_model
+
+    return load_model(None, DeviceConfig(device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def loaded_default():
+    """The default model in the default dtype for this machine (bf16 where the CPU has it)."""
+    from kvserve.config import DeviceConfig
+    from kvserve.model.loader import load_model
+
+    return load_model(None, DeviceConfig(device="cpu"))

@@ -1,0 +1,44 @@
+"""Small drivers for the model alone (no scheduler): a chunk record and a greedy loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.model.attention import build_metadata
+from kvserve.model.kv_cache import KVCache
+
+
+@dataclass
+class Chunk:
+    start: int
+    num_tokens: int
+    block_ids: list[int]
+    samples: bool
+
+
+def greedy_continuation(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """Greedy tokens from our model: one prefill, then one decode row per token (no EOS stop)."""
+    device = model.device
+    blocks = list(range(-(-(len(prompt_ids) + num_tokens) // 32)))
+    cache = KVCache(model.config, len(blocks), 32, model.dtype, device)
+    meta = build_metadata([Chunk(0, len(prompt_ids), blocks, True)], 32, device)
+    logits = model.forward(torch.tensor(prompt_ids, device=device), meta, cache)
+    out = [int(logits[0].argmax())]
+    while len(out) < num_tokens:
+        pos = len(prompt_ids) + len(out) - 1
+        meta = build_metadata([Chunk(pos, 1, blocks, True)], 32, device)
+        logits = model.forward(torch.tensor([out[-1]], device=device), meta, cache)
+        out.append(int(logits[0].argmax()))
+    return out
+
+
+def reference_greedy(reference, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """Greedy tokens from a transformers model, recomputing the whole sequence every step."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logits = reference(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids) :]
