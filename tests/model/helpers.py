@@ -35,10 +35,14 @@ def greedy_continuation(model, prompt_ids: list[int], num_tokens: int) -> list[i
 
 
 def reference_greedy(reference, prompt_ids: list[int], num_tokens: int) -> list[int]:
-    """Greedy tokens from a transformers model, recomputing the whole sequence every step."""
-    ids = list(prompt_ids)
+    """Greedy tokens from a transformers model with its own KV cache (never stopping at EOS)."""
+    out: list[int] = []
     with torch.no_grad():
-        for _ in range(num_tokens):
-            logits = reference(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt_ids) :]
+        result = reference(torch.tensor([prompt_ids]), use_cache=True)
+        while True:
+            out.append(int(result.logits[0, -1].argmax()))
+            if len(out) == num_tokens:
+                return out
+            result = reference(
+                torch.tensor([[out[-1]]]), past_key_values=result.past_key_values, use_cache=True
+            )
