@@ -127,10 +127,11 @@ def dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:
     """A GGUF tensor as float32 (or its native float type for F16/BF16), shape [rows, cols]."""
     qtype = tensor.tensor_type
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    # F32/F16 data are read-only views of the mapped file: copy them (they are small: norms).
     if qtype == GGMLQuantizationType.F32:
-        array = np.asarray(tensor.data, dtype=np.float32)
+        array = np.array(tensor.data, dtype=np.float32)
     elif qtype == GGMLQuantizationType.F16:
-        array = np.asarray(tensor.data).view(np.float16)
+        array = np.array(tensor.data).view(np.float16)
     elif qtype == GGMLQuantizationType.BF16:
         raw = np.asarray(tensor.data).view(np.int16)
         return torch.from_numpy(raw.copy()).view(torch.bfloat16).reshape(shape)

@@ -1,0 +1,507 @@
+"""The Engine: one loop that owns all serving state and runs steps while there is work.
+
+    schedule  ->  execute (worker thread)  ->  update
+
+Bookkeeping (Scheduler, BlockPool, AdmissionQueue, request states, streams) lives on the event
+loop's thread and is only touched there: `submit` and `cancel` are plain synchronous methods
+called from that thread, and the loop applies cancellations, queue expiry and admission at step
+boundaries. The only thing that runs elsewhere is `Batch.execute`, on one worker thread, which
+reads the plan (immutable) and the planned requests' tokens (not modified during a step).
+
+Every way a request ends — finish, stop string, cancel, slow consumer, queue timeout, error,
+shutdown — goes through `_release`, which returns its slot and blocks (Scheduler.release, which
+also offers the capacity signal) or removes it from the queue, and ends its stream with a final
+delta carrying the finish reason and usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.core import (
+    AdmissionQueue,
+    BlockPool,
+    CapacitySignal,
+    Infeasible,
+    Outcome,
+    Scheduler,
+    StepPlan,
+)
+from kvserve.core.scheduler import admit_or_enqueue, admit_waiting
+from kvserve.engine.batch import Batch, StepOutput
+from kvserve.engine.stream import Delta, Stream, TokenLogprob, Usage
+from kvserve.model.kv_cache import KVCache, PoolSize, choose_pool_size
+from kvserve.model.loader import LoadedModel, load_model
+from kvserve.request import (
+    EngineError,
+    EngineStopped,
+    GenerationRequest,
+    InvalidRequest,
+    QueueFull,
+    QueueTimeout,
+    RequestCancelled,
+)
+from kvserve.sampling import RowState, Sampler, SamplingParamsError, make_generator
+
+log = logging.getLogger("kvserve.engine")
+
+
+class EngineObserver:
+    """Hooks for metrics and logs; every method is a no-op here. Called on the loop thread."""
+
+    def on_admitted(self, state: RequestState) -> None: ...
+
+    def on_token(self, state: RequestState, now: float) -> None: ...
+
+    def on_finished(self, state: RequestState) -> None: ...
+
+    def on_rejected(self, reason: str) -> None: ...
+
+    def on_step(self, plan: StepPlan, seconds: float) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """Who got which rows in one step (kept when `record_steps` is on)."""
+
+    step: int
+    started: float
+    seconds: float
+    chunks: tuple[tuple[str, int, int, bool], ...]  # (request_id, start, num_tokens, is_prefill)
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        return tuple(chunk[0] for chunk in self.chunks)
+
+
+@dataclass(eq=False)
+class RequestState:
+    """The engine's view of one request, from submit to release."""
+
+    request: GenerationRequest
+    stream: Stream
+    max_tokens: int  # resolved answer budget
+    detokenizer: object
+    generator: torch.Generator | None
+    stop_token_ids: frozenset[int]
+    all_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    status: str = "queued"  # queued | running | finished
+    finish_reason: str | None = None
+    cancel_reason: str | None = None  # set while running; applied at the next step boundary
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def row_state(self) -> RowState:
+        return RowState(
+            params=self.request.params,
+            generator=self.generator,
+            prompt_token_ids=self.request.prompt_token_ids,
+            output_token_ids=self.output_token_ids,
+        )
+
+
+class _WakingSignal(CapacitySignal):
+    """The scheduler's capacity signal, also waking the engine loop when offered."""
+
+    def __init__(self, wake: asyncio.Event) -> None:
+        super().__init__()
+        self._wake = wake
+
+    def offer(self) -> bool:
+        self._wake.set()
+        return super().offer()
+
+
+class Engine:
+    """Continuous batching over a shared paged KV pool. Create, `await start()`, then `submit`."""
+
+    def __init__(
+        self,
+        config: EngineConfig = EngineConfig(),
+        loaded: LoadedModel | None = None,
+        *,
+        observer: EngineObserver | None = None,
+        record_steps: bool = False,
+    ) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config.model, config.device)
+        self.tokenizer = self.loaded.tokenizer
+        self.model_config = self.loaded.config
+        self.observer = observer or EngineObserver()
+        model_len = self.model_config.max_position_embeddings
+        if config.scheduler.max_model_len is not None:
+            model_len = min(model_len, config.scheduler.max_model_len)
+        self.max_model_len = model_len
+        self.pool_size: PoolSize = choose_pool_size(
+            self.model_config,
+            block_size=config.cache.block_size,
+            dtype=self.loaded.dtype,
+            device=self.loaded.device,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=model_len,
+            num_kv_blocks=config.cache.num_kv_blocks,
+            kv_cache_memory=config.cache.kv_cache_memory,
+        )
+        log.info(self.pool_size.describe())
+        self.kv_cache = KVCache(
+            self.model_config,
+            self.pool_size.num_blocks,
+            config.cache.block_size,
+            self.loaded.dtype,
+            self.loaded.device,
+        )
+        self.pool = BlockPool(self.pool_size.num_blocks, config.cache.block_size)
+        self._wake: asyncio.Event | None = None
+        self._signal: CapacitySignal | None = None
+        self.scheduler: Scheduler | None = None
+        self.queue = AdmissionQueue.from_config(config.queue, config.scheduler.max_num_seqs)
+        self.batch = Batch(self.loaded.model, self.kv_cache, Sampler(seed=config.seed))
+        self.step_log: deque[StepRecord] | None = deque(maxlen=10_000) if record_steps else None
+        self._requests: dict[str, RequestState] = {}
+        self._pending_cancels: list[str] = []
+        self._executor: ThreadPoolExecutor | None = None
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self.num_steps = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the loop on the running event loop."""
+        if self._task is not None:
+            return
+        self._wake = asyncio.Event()
+        self._signal = _WakingSignal(self._wake)
+        self.scheduler = Scheduler(
+            self.config.scheduler, self.pool, self.max_model_len, capacity=self._signal
+        )
+        threads = torch.get_num_threads()
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="kvserve-step",
+            initializer=torch.set_num_threads,
+            initargs=(threads,),
+        )
+        self._stopping = False
+        self._task = asyncio.create_task(self._run(), name="kvserve-engine")
+
+    async def stop(self) -> None:
+        """End every request (finish reason "shutdown"), let the step in flight land, stop."""
+        if self._task is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        try:
+            await self._task
+        finally:
+            self._task = None
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> Stream:
+        """Validate and queue a request; returns its Stream at once.
+
+        Raises InvalidRequest (400) for a request that is wrong or could never fit, QueueFull
+        (429) when the admission queue is full, EngineStopped when not running. Nothing is
+        registered when it raises.
+        """
+        if not self.running or self._stopping:
+            raise EngineStopped("the engine is not running")
+        request_id = request.request_id
+        if request_id in self._requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        params = request.params
+        vocab = self.model_config.vocab_size
+        try:
+            params.validate(vocab)
+        except SamplingParamsError as exc:
+            raise InvalidRequest(str(exc), exc.param) from exc
+        prompt = request.prompt_token_ids
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
+        try:
+            reserve = self.scheduler.check(len(prompt), params.max_tokens)
+        except Infeasible as exc:
+            self.observer.on_rejected("infeasible")
+            raise InvalidRequest(exc.reason, exc.param) from exc
+
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.tokenizer.eos_token_ids
+        state = RequestState(
+            request=request,
+            stream=Stream(request_id, self.config.stream.buffer_steps),
+            max_tokens=reserve,
+            detokenizer=self.tokenizer.detokenizer(stop=params.stop),
+            generator=(
+                make_generator(params.seed, self.loaded.device) if params.seed is not None else None
+            ),
+            stop_token_ids=frozenset(stop_ids),
+            all_token_ids=list(prompt),
+        )
+        outcome = admit_or_enqueue(
+            self.scheduler, self.queue, request_id, len(prompt), reserve, time.monotonic()
+        )
+        if outcome is Outcome.QUEUE_FULL:
+            self.observer.on_rejected("queue_full")
+            raise QueueFull(self.config.queue.queue_timeout)
+        self._requests[request_id] = state
+        if outcome is Outcome.ADMITTED:
+            self._mark_admitted(state)
+        self._wake.set()
+        return state.stream
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        """Stop a request: at once while queued, at the next step boundary while running.
+        Idempotent; False when the request is unknown or already ended."""
+        state = self._requests.get(request_id)
+        if state is None or state.status == "finished":
+            return False
+        if state.status == "queued":
+            self._release(state, reason, error=RequestCancelled("the client closed the request"))
+        elif state.cancel_reason is None:
+            state.cancel_reason = reason
+            self._pending_cancels.append(request_id)
+            self._wake.set()
+        return True
+
+    def get(self, request_id: str) -> RequestState | None:
+        return self._requests.get(request_id)
+
+    # -- introspection -------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running if self.scheduler else 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.queue)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def is_idle(self) -> bool:
+        """No request, every slot and block free, nothing queued: the leak check."""
+        return (
+            not self._requests
+            and self.num_running == 0
+            and len(self.queue) == 0
+            and self.pool.num_free == self.pool.num_blocks
+            and self.pool.check_whole()
+            and (self.scheduler is None or self.scheduler.num_free_slots == self.scheduler.config.max_num_seqs)
+        )
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._boundary()
+                if self._stopping:
+                    break
+                if self.scheduler.num_running == 0:
+                    await self._idle_wait()
+                    continue
+                plan = self.scheduler.schedule()
+                if plan.num_rows == 0:
+                    # Every running sequence waits (possible only under slot-only admission
+                    # with an exhausted pool); only a release can change that.
+                    await self._idle_wait()
+                    continue
+                started = time.monotonic()
+                try:
+                    output = await loop.run_in_executor(
+                        self._executor, self.batch.execute, plan, self._requests
+                    )
+                except Exception as exc:  # a failed step fails its requests, not the server
+                    log.exception("step %d failed", plan.step)
+                    self.scheduler.update(plan)
+                    self._fail(plan, exc)
+                    continue
+                seconds = time.monotonic() - started
+                self.scheduler.update(plan)
+                self.num_steps += 1
+                self._deliver(plan, output)
+                if self.step_log is not None:
+                    self.step_log.append(
+                        StepRecord(
+                            plan.step,
+                            started,
+                            seconds,
+                            tuple(
+                                (c.request_id, c.start, c.num_tokens, c.is_prefill)
+                                for c in plan.chunks
+                            ),
+                        )
+                    )
+                self.observer.on_step(plan, seconds)
+        finally:
+            self._shutdown_requests()
+
+    async def _idle_wait(self) -> None:
+        """Sleep until something happens: an arrival, a cancel, a release, a queue deadline."""
+        self._wake.clear()
+        if self._pending_cancels or self._stopping:
+            return
+        deadline = self.queue.next_deadline
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def _boundary(self) -> None:
+        """Between steps: apply cancellations, expire waits, run the admission round."""
+        if self._pending_cancels:
+            pending, self._pending_cancels = self._pending_cancels, []
+            for request_id in pending:
+                state = self._requests.get(request_id)
+                if state is not None and state.status != "finished":
+                    reason = state.cancel_reason or "cancelled"
+                    error = RequestCancelled("the client closed the request")
+                    self._release(state, reason, error=error if reason == "cancelled" else None)
+        for waiter in self.queue.expire(time.monotonic()):
+            state = self._requests.get(waiter.request_id)
+            if state is not None:
+                self.observer.on_rejected("queue_timeout")
+                self._release(
+                    state,
+                    "queue_timeout",
+                    error=QueueTimeout(self.config.queue.queue_timeout),
+                    queued=False,
+                )
+        for waiter in admit_waiting(self.scheduler, self.queue):
+            state = self._requests.get(waiter.request_id)
+            if state is not None:
+                self._mark_admitted(state)
+
+    def _mark_admitted(self, state: RequestState) -> None:
+        state.status = "running"
+        state.admitted_at = time.monotonic()
+        state.stream.mark_admitted()
+        self.observer.on_admitted(state)
+
+    def _deliver(self, plan: StepPlan, output: StepOutput) -> None:
+        """Append each sampled token, decide whether its request is done, hand out deltas."""
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            sampled = output.sampled.get(chunk.request_id)
+            state = self._requests.get(chunk.request_id)
+            if sampled is None or state is None or state.status != "running":
+                continue
+            if state.cancel_reason is not None:
+                continue  # ends at this boundary; the token is not delivered
+            token = sampled.token_id
+            state.output_token_ids.append(token)
+            state.all_token_ids.append(token)
+            if state.first_token_at is None:
+                state.first_token_at = now
+            state.last_token_at = now
+            self.observer.on_token(state, now)
+            logprobs = ()
+            if sampled.logprob is not None:
+                logprobs = (TokenLogprob(token, sampled.logprob, tuple(sampled.top_logprobs or ())),)
+
+            detok = state.detokenizer
+            reason = None
+            if token in state.stop_token_ids:
+                reason = "stop"
+                text = detok.flush()
+            else:
+                text = detok.add(token)
+                if detok.stopped:
+                    reason = "stop"
+                elif state.num_output_tokens >= state.max_tokens:
+                    reason = "length"
+                    text += detok.flush()
+            if reason is not None:
+                self._release(state, reason, text=text, token_ids=(token,), logprobs=logprobs)
+            elif not state.stream.offer(
+                Delta(text=text, token_ids=(token,), logprobs=logprobs, timestamp=now)
+            ):
+                log.info("%s: client fell %d steps behind; dropping it", state.request_id,
+                         state.stream.capacity)
+                self.observer.on_rejected("slow_consumer")
+                self._release(state, "slow_consumer")
+
+    def _fail(self, plan: StepPlan, exc: Exception) -> None:
+        error = EngineError(f"internal error while generating: {type(exc).__name__}: {exc}")
+        for request_id in plan.request_ids:
+            state = self._requests.get(request_id)
+            if state is not None:
+                self._release(state, "error", error=error)
+
+    def _shutdown_requests(self) -> None:
+        for state in list(self._requests.values()):
+            self._release(state, "shutdown", error=EngineStopped("the server is shutting down"))
+
+    # -- the one release path ------------------------------------------------------------------
+
+    def _release(
+        self,
+        state: RequestState,
+        reason: str,
+        *,
+        text: str = "",
+        token_ids: tuple[int, ...] = (),
+        logprobs: tuple[TokenLogprob, ...] = (),
+        error: EngineError | None = None,
+        queued: bool = True,
+    ) -> None:
+        """End a request however it ends: slot and blocks back (or out of the queue), stream
+        finished with the reason and usage, observers told. Idempotent."""
+        if state.status == "finished":
+            return
+        if state.status == "running":
+            self.scheduler.release(state.request_id)
+        elif queued:
+            self.queue.cancel(state.request_id)
+        state.status = "finished"
+        state.finish_reason = reason
+        state.finished_at = time.monotonic()
+        del self._requests[state.request_id]
+        state.stream.finish(
+            Delta(
+                text=text,
+                token_ids=token_ids,
+                logprobs=logprobs,
+                finish_reason=reason,
+                usage=Usage(state.num_prompt_tokens, state.num_output_tokens),
+                error=error,
+                timestamp=state.finished_at,
+            )
+        )
+        self.observer.on_finished(state)

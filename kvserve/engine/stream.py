@@ -1,0 +1,147 @@
+"""Per-request delivery: a bounded buffer the engine fills without ever waiting.
+
+The engine loop puts at most one delta per request per step with `offer`, which never blocks:
+when a client has `capacity` undelivered steps pending, `offer` returns False and the engine
+cancels the request as a slow consumer. The final delta (finish reason and usage) is always
+delivered, beyond the bound, so a stream that ended can be told from one that broke.
+
+Everything here runs on the event loop's thread; there are no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass
+
+from kvserve.request import EngineError
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # most likely alternatives, best first
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one step added to a request's output, or its end.
+
+    `text` holds only whole characters; it may be empty while bytes of a character, or a
+    possible stop string, are held back. The last delta has `finish_reason` and `usage`.
+    """
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None  # stop | length | cancelled | slow_consumer | error | ...
+    usage: Usage | None = None
+    error: EngineError | None = None
+    timestamp: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Stream:
+    """Async iterator of Deltas for one request.
+
+    `await stream.admitted()` returns once the request holds a slot (or raises the error that
+    ended it while queued: QueueTimeout, RequestCancelled, EngineStopped), so a server can pick
+    its status code before sending a byte.
+    """
+
+    def __init__(self, request_id: str, capacity: int) -> None:
+        self.request_id = request_id
+        self.capacity = capacity
+        self._items: deque[Delta] = deque()
+        self._final: Delta | None = None
+        self._wakeup = asyncio.Event()
+        self._admission: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.num_delivered = 0
+
+    # -- engine side ---------------------------------------------------------------------------
+
+    def offer(self, delta: Delta) -> bool:
+        """Queue a delta without waiting. False: the client is `capacity` steps behind."""
+        if self._final is not None:
+            return True
+        if len(self._items) >= self.capacity:
+            return False
+        self._items.append(delta)
+        self._wakeup.set()
+        return True
+
+    def finish(self, delta: Delta) -> None:
+        """Deliver the last delta (never refused) and end the stream. Idempotent."""
+        if self._final is not None:
+            return
+        self._final = delta
+        if not self._admission.done():
+            if delta.error is not None:
+                self._admission.set_exception(delta.error)
+                self._admission.exception()  # mark retrieved: nobody may be waiting
+            else:
+                self._admission.set_result(None)
+        self._wakeup.set()
+
+    def mark_admitted(self) -> None:
+        if not self._admission.done():
+            self._admission.set_result(None)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._items)
+
+    @property
+    def is_finished(self) -> bool:
+        return self._final is not None
+
+    # -- consumer side -------------------------------------------------------------------------
+
+    async def admitted(self) -> None:
+        await asyncio.shield(self._admission)
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        while True:
+            if self._items:
+                self.num_delivered += 1
+                return self._items.popleft()
+            if self._final is not None:
+                final, self._final = self._final, _DONE
+                if final is _DONE:
+                    raise StopAsyncIteration
+                return final
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    def drain_ready(self) -> list[Delta]:
+        """Every delta available now without waiting (lets a writer batch its output)."""
+        out = list(self._items)
+        self._items.clear()
+        self.num_delivered += len(out)
+        if self._final is not None and self._final is not _DONE:
+            out.append(self._final)
+            self._final = _DONE
+        return out
+
+    async def collect(self) -> list[Delta]:
+        return [delta async for delta in self]
+
+
+_DONE = Delta(finish_reason="__done__")

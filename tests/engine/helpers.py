@@ -1,0 +1,74 @@
+"""Build engines over the session's shared model and drive them from synchronous tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvserve.config import CacheConfig, EngineConfig, QueueConfig, SchedulerConfig, StreamConfig
+from kvserve.engine.engine import Engine
+from kvserve.request import GenerationRequest
+from kvserve.sampling import SamplingParams
+
+
+def make_config(
+    *,
+    slots: int = 4,
+    blocks: int = 64,
+    chunk: int = 512,
+    rows: int = 2048,
+    queue_per_slot: int = 8,
+    queue_timeout: float = 30.0,
+    overtakes: int | None = None,
+    buffer: int = 256,
+    max_model_len: int | None = 2048,
+    admission: str = "reserve",
+) -> EngineConfig:
+    return EngineConfig(
+        cache=CacheConfig(block_size=32, num_kv_blocks=blocks),
+        scheduler=SchedulerConfig(
+            max_num_seqs=slots,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=rows,
+            prefill_chunk=chunk,
+            admission=admission,
+        ),
+        queue=QueueConfig(
+            max_queue_per_slot=queue_per_slot, queue_timeout=queue_timeout, max_overtakes=overtakes
+        ),
+        stream=StreamConfig(buffer_steps=buffer),
+    )
+
+
+def run_engine(
+    loaded, config: EngineConfig, body: Callable[[Engine], Awaitable[Any]], record_steps=False
+) -> Any:
+    """Start an engine on a fresh event loop, run `body(engine)`, stop it, return the result."""
+
+    async def main():
+        engine = Engine(config, loaded, record_steps=record_steps)
+        await engine.start()
+        try:
+            return await body(engine)
+        finally:
+            await engine.stop()
+
+    return asyncio.run(main())
+
+
+def request(tokens, **params) -> GenerationRequest:
+    return GenerationRequest(tuple(tokens), SamplingParams(**params))
+
+
+async def collect(stream):
+    deltas = [d async for d in stream]
+    return deltas
+
+
+def tokens_of(deltas) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def text_of(deltas) -> str:
+    return "".join(d.text for d in deltas)

@@ -1,0 +1,143 @@
+"""No leaks, property-tested: any interleaving of submits, cancels (queued, prefilling,
+decoding), slow consumers, stop strings, max_tokens and queue timeouts drains to an idle engine:
+every block and slot free, the queue empty, no task or thread left behind, and every request
+ended exactly once with its own tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvserve.engine.engine import Engine
+from kvserve.request import QueueFull, RequestCancelled
+from tests.engine.helpers import make_config, request
+
+WORDS = "river stone light paper window orange quiet seven market garden".split()
+FINISH_REASONS = {"stop", "length", "cancelled", "slow_consumer", "queue_timeout"}
+
+behaviours = st.sampled_from(
+    ["read", "read", "slow", "cancel_now", "cancel_at_step", "cancel_after_tokens"]
+)
+request_specs = st.fixed_dictionaries(
+    {
+        "words": st.integers(1, 30),
+        "max_tokens": st.integers(1, 10),
+        "stop": st.sampled_from([None, "e", ",", " the"]),
+        "behaviour": behaviours,
+        "delay_steps": st.integers(0, 6),
+        "param": st.integers(0, 4),
+    }
+)
+
+
+_REFERENCE: dict[tuple[int, ...], list[int]] = {}
+
+
+def reference_tokens(loaded, prompt_ids: tuple[int, ...]) -> list[int]:
+    """Greedy tokens for the prompt run alone on a fresh engine (cached across examples)."""
+    if prompt_ids not in _REFERENCE:
+
+        async def alone():
+            engine = Engine(make_config(slots=1, blocks=8, max_model_len=128), loaded)
+            await engine.start()
+            try:
+                stream = engine.submit(request(prompt_ids, max_tokens=10, temperature=0,
+                                               ignore_eos=True))
+                return [t async for d in stream for t in d.token_ids]
+            finally:
+                await engine.stop()
+
+        _REFERENCE[prompt_ids] = asyncio.run(alone())
+    return _REFERENCE[prompt_ids]
+
+
+def prompt(tokenizer, words: int, seed: int) -> list[int]:
+    text = " ".join(WORDS[(seed * 7 + i * 3) % len(WORDS)] for i in range(words))
+    return tokenizer.encode(text)
+
+
+async def wait_for_step(engine: Engine, step: int) -> None:
+    while engine.num_steps < step and engine.num_requests:
+        await asyncio.sleep(0.001)
+
+
+async def drive(engine: Engine, tokenizer, index: int, spec: dict) -> dict:
+    await wait_for_step(engine, spec["delay_steps"])
+    req = request(
+        prompt(tokenizer, spec["words"], index),
+        max_tokens=spec["max_tokens"],
+        temperature=0,
+        stop=[spec["stop"]] if spec["stop"] else [],
+        ignore_eos=spec["param"] % 2 == 0,
+    )
+    try:
+        stream = engine.submit(req)
+    except QueueFull:
+        return {"outcome": "queue_full"}
+    behaviour = spec["behaviour"]
+    deltas = []
+    if behaviour == "cancel_now":
+        engine.cancel(req.request_id)
+    elif behaviour == "cancel_at_step":
+        await wait_for_step(engine, engine.num_steps + spec["param"])
+        engine.cancel(req.request_id)
+    elif behaviour == "slow":
+        while engine.get(req.request_id) is not None:
+            await asyncio.sleep(0.002)
+    async for delta in stream:
+        deltas.append(delta)
+        if behaviour == "cancel_after_tokens" and len(deltas) == spec["param"] + 1:
+            engine.cancel(req.request_id)
+    return {"outcome": "streamed", "deltas": deltas, "prompt": req.prompt_token_ids}
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(specs=st.lists(request_specs, min_size=1, max_size=6))
+def test_any_interleaving_drains_to_an_idle_engine(loaded_default, specs):
+    tokenizer = loaded_default.tokenizer
+    threads_before = set(threading.enumerate())
+    config = make_config(
+        slots=2, blocks=8, chunk=8, rows=24, queue_per_slot=1, queue_timeout=0.4, buffer=3,
+        max_model_len=128,
+    )
+
+    async def main():
+        engine = Engine(config, loaded_default)
+        await engine.start()
+        results = await asyncio.gather(
+            *(drive(engine, tokenizer, i, spec) for i, spec in enumerate(specs))
+        )
+        idle = engine.is_idle()
+        await engine.stop()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return results, idle, others
+
+    results, idle, leftover_tasks = asyncio.run(main())
+    assert idle
+    assert not leftover_tasks
+    assert set(threading.enumerate()) <= threads_before
+    for spec, result in zip(specs, results, strict=True):
+        if result["outcome"] == "queue_full":
+            continue
+        deltas = result["deltas"]
+        finals = [d for d in deltas if d.finish_reason is not None]
+        assert len(finals) == 1 and deltas[-1] is finals[0]  # ended exactly once, last
+        final = finals[0]
+        assert final.finish_reason in FINISH_REASONS
+        tokens = [t for d in deltas for t in d.token_ids]
+        assert final.usage.completion_tokens == len(tokens) or final.finish_reason in (
+            "slow_consumer",  # tokens produced but never taken count in usage
+        )
+        assert len(tokens) <= spec["max_tokens"]
+        if final.finish_reason == "cancelled":
+            assert isinstance(final.error, RequestCancelled)
+        # Its own tokens, never another request's: what it got is what it gets alone.
+        expected = reference_tokens(loaded_default, result["prompt"])
+        assert tokens == expected[: len(tokens)]
