@@ -1,0 +1,177 @@
+"""`make bench`: model, engine and HTTP benchmarks, appended to docs/benchmarks.md.
+
+Each section records the date, the machine, threads and dtype, and the ratios measured in the
+same run. The machine must be idle: on a 2-core box any other busy process slows decode many
+times over, and the numbers then say nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def machine_line() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import torch
+
+    from kvserve.model.loader import cpu_has_bf16
+
+    features = "AVX512-BF16" if cpu_has_bf16() else "no native bf16"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (
+        f"{model}, {os.cpu_count()} cores ({features}), torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}"
+        f", GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '-')}, load average at start {load:.2f}"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_bench(concurrencies: list[int], dtype: str) -> tuple[str, list]:
+    """Start `kvserve serve` on a free loopback port and load it with the load generator."""
+    from kvserve.bench.loadgen import BenchConfig, format_table, run_benchmark
+
+    port = free_port()
+    env = dict(os.environ)
+    command = [
+        sys.executable, "-m", "kvserve", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--max-num-seqs", str(max(concurrencies)), "--dtype", dtype,
+    ]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise RuntimeError(f"server exited: {server.stdout.read().decode()[-2000:]}")
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("server did not become ready")
+        results = []
+        for concurrency in concurrencies:
+            config = BenchConfig(
+                url=url,
+                concurrency=concurrency,
+                num_prompts=max(4, 2 * concurrency),
+                input_len=128,
+                output_len=128,
+                endpoint="completions",
+                ignore_eos=True,
+                warmup=1,
+            )
+            result = asyncio.run(run_benchmark(config))
+            print(f"  HTTP C={concurrency}: {result.output_throughput:.0f} out tok/s", flush=True)
+            results.append(result)
+        return format_table(results), results
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="make bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="model,engine,http", help="comma list of sections")
+    parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--no-reference", action="store_true", help="skip transformers figures")
+    parser.add_argument("--output", default="docs/benchmarks.md")
+    parser.add_argument("--json", default=None, help="also write raw results here")
+    args = parser.parse_args(argv)
+    sections = set(args.only.split(","))
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+
+    from kvserve.bench.engine_bench import format_engine_table, run_engine_bench
+    from kvserve.bench.model_bench import format_model_table, reference_model, run_model_bench
+    from kvserve.config import DeviceConfig
+    from kvserve.model.loader import load_model
+
+    loaded = load_model(None, DeviceConfig(dtype=args.dtype))
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    out = [f"\n## {stamp} — {loaded.name}, {dtype}\n", f"Machine: {machine_line()}.\n"]
+    raw: dict = {"date": stamp, "machine": machine_line(), "dtype": dtype}
+    engine_results = []
+
+    if "model" in sections:
+        print("model benchmark...", flush=True)
+        result = run_model_bench(loaded, with_reference=not args.no_reference)
+        out += ["### Model (forward pass only)\n", format_model_table(result), ""]
+        raw["model"] = result.to_dict()
+    if "engine" in sections:
+        print("engine benchmark...", flush=True)
+        reference = None if args.no_reference else reference_model(loaded)
+        engine_results = run_engine_bench(loaded, tuple(concurrencies), reference=reference)
+        del reference
+        out += [
+            "### Engine (continuous batching, no HTTP; 128-token prompts, 128 output tokens)\n",
+            format_engine_table(engine_results),
+            "",
+        ]
+        raw["engine"] = [r.to_dict() for r in engine_results]
+    if "http" in sections:
+        print("HTTP benchmark...", flush=True)
+        table, results = http_bench(concurrencies, args.dtype)
+        out += [
+            "### HTTP (`kvserve bench` against `kvserve serve`, streaming completions)\n",
+            table,
+            "",
+        ]
+        raw["http"] = [r.to_dict() | {"records": None} for r in results]
+        by_c = {r.concurrency: r for r in engine_results}
+        for r in results:
+            engine = by_c.get(r.config.concurrency)
+            if engine is not None:
+                out.append(
+                    f"HTTP/engine at {r.config.concurrency} concurrent: "
+                    f"{r.output_throughput / engine.output_tok_s:.0%} "
+                    f"({r.output_throughput:.0f} / {engine.output_tok_s:.0f} out tok/s).  "
+                )
+        out.append("")
+
+    text = "\n".join(out)
+    print(text)
+    path = Path(args.output)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("# Benchmarks\n\nAppended by `make bench`; newest last.\n")
+    with path.open("a") as f:
+        f.write(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
