@@ -368,6 +368,10 @@ class Engine:
                         )
                     )
                 self.observer.on_step(plan, seconds)
+                # Let the stream consumers (SSE writers) take this step's deltas now, before
+                # the next forward pass starts: on a small CPU their work would otherwise run
+                # beside the pass and stall its threads.
+                await asyncio.sleep(0)
         finally:
             self._shutdown_requests()
 

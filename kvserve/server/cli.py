@@ -1,0 +1,143 @@
+"""`kvserve serve [MODEL]`: the OpenAI-compatible server on uvicorn.
+
+Every flag is also an environment variable `KVSERVE_<NAME>` (`--api-key` is `KVSERVE_API_KEY`).
+The engine flags are the ones every engine command shares (`kvserve.cli.add_engine_arguments`);
+the HTTP ones are added here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+from kvserve.cli import _size, add_engine_arguments, engine_config_from_args
+from kvserve.config import ServerConfig, env_default
+
+if TYPE_CHECKING:  # the engine imports torch; `kvserve serve --help` should not
+    from kvserve.engine.engine import Engine
+
+__all__ = ["add_arguments", "banner", "run"]
+
+log = logging.getLogger("kvserve.server")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine flags (positional MODEL first) plus the server's own."""
+    add_engine_arguments(parser)
+    e = env_default
+    defaults = ServerConfig()
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=e("--host", defaults.host), help="address to listen on")
+    g.add_argument("--port", type=int, default=e("--port", defaults.port, int))
+    g.add_argument(
+        "--served-model-name",
+        default=e("--served-model-name", None),
+        help="the model name clients send and /v1/models lists (default: the model's name)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=e("--api-key", None),
+        help="require 'Authorization: Bearer KEY' on the API (health, ready, metrics stay open)",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=_size,
+        default=e("--max-body-bytes", defaults.max_body_bytes, _size),
+        help="largest request body accepted, e.g. 8MiB (larger: 413)",
+    )
+    g.add_argument(
+        "--log-level",
+        default=e("--log-level", defaults.log_level),
+        choices=("debug", "info", "warning", "error"),
+    )
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The HTTP settings from parsed flags."""
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_body_bytes,
+        log_level=args.log_level,
+    )
+
+
+def banner(engine: Engine, model_name: str, url: str, server_config: ServerConfig) -> str:
+    """The start-up lines: the model, the KV pool arithmetic, limits, and where to connect."""
+    config = engine.config
+    pool = engine.pool_size
+    slots = config.scheduler.max_num_seqs
+    return "\n".join(
+        [
+            f"kvserve: serving '{model_name}'",
+            f"  model: {engine.loaded.summary()}",
+            f"  {pool.describe()}",
+            f"  pool bytes: {pool.num_blocks} blocks x {pool.bytes_per_block} bytes "
+            f"= {pool.num_bytes} bytes",
+            f"  slots: {slots}, queue: {config.queue.max_queue_per_slot} per slot "
+            f"({slots * config.queue.max_queue_per_slot} waiters), wait budget "
+            f"{config.queue.queue_timeout:g} s, max model len {engine.max_model_len}",
+            f"  API key: {'required' if server_config.api_key else 'not required'}",
+            f"  listening on {url}  (OpenAI base URL: {url}/v1)",
+        ]
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; 0 after a clean stop, 1 when the model failed to load."""
+    from kvserve.engine.engine import Engine
+    from kvserve.server.app import Server, create_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        engine_config = engine_config_from_args(args)
+        server_config = server_config_from_args(args)
+    except ValueError as exc:
+        print(f"kvserve serve: {exc}", file=sys.stderr)
+        return 2
+
+    failed: list[BaseException] = []
+    server: Server | None = None
+
+    def url() -> str:
+        port = server.bound_port if server is not None else None
+        host = server_config.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{port or server_config.port}"
+
+    def on_ready(engine: Engine) -> None:
+        name = server_config.served_model_name or engine.loaded.name
+        print(banner(engine, name, url(), server_config), flush=True)
+
+    def on_load_error(error: BaseException) -> None:
+        failed.append(error)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(
+        server_config,
+        lambda observer: Engine(engine_config, observer=observer),
+        on_ready=on_ready,
+        on_load_error=on_load_error,
+    )
+    server = Server(
+        app, host=server_config.host, port=server_config.port, log_level=server_config.log_level
+    )
+    log.info(
+        "loading %s; GET /ready answers 200 once it is loaded",
+        engine_config.model or "the default model",
+    )
+    server.run()
+    if failed:
+        print(f"kvserve serve: the model failed to load: {failed[0]}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,211 @@
+"""Prometheus metrics named `kvserve:*`, shaped like vLLM's `vllm:*` so dashboards carry over.
+
+`ServerMetrics` is an `EngineObserver` (latency histograms, token counters, rejections) plus the
+HTTP-level counters the engine cannot see (status codes, clients that left, ignored fields).
+Each instance has its own `CollectorRegistry`, so several apps in one process do not collide.
+Engine hooks run on the event loop thread, as does the scrape, so the gauges read the engine
+directly at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from kvserve.engine.engine import EngineObserver, RequestState
+
+if TYPE_CHECKING:
+    from kvserve.engine.engine import Engine
+
+__all__ = ["REJECTION_REASONS", "ServerMetrics"]
+
+REJECTION_REASONS = ("queue_full", "queue_timeout", "infeasible", "client_gone", "slow_consumer")
+"""Every reason a request is turned away or dropped; each is exported from the start at 0."""
+
+# vLLM's buckets, so that percentiles computed from either server line up.
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_REQUEST_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+# Ignored-field names come from clients; past this many distinct ones they share one label so a
+# client cannot grow the registry without bound.
+_MAX_FIELD_LABELS = 64
+
+
+class ServerMetrics(EngineObserver):
+    """All `kvserve:*` metrics of one server, in a registry of its own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self._engine: Engine | None = None
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "kvserve:time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "kvserve:inter_token_latency_seconds",
+            "Time between two successive tokens of one request.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e_request_latency = Histogram(
+            "kvserve:e2e_request_latency_seconds",
+            "Time from arrival to the end of the request, however it ended.",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.request_queue_time = Histogram(
+            "kvserve:request_queue_time_seconds",
+            "Time from arrival to admission (a slot and KV blocks).",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.num_requests_running = Gauge(
+            "kvserve:num_requests_running", "Requests holding a slot.", registry=r
+        )
+        self.num_requests_waiting = Gauge(
+            "kvserve:num_requests_waiting", "Requests in the admission queue.", registry=r
+        )
+        self.kv_cache_usage = Gauge(
+            "kvserve:kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (1 = full).",
+            registry=r,
+        )
+        self.num_kv_blocks = Gauge(
+            "kvserve:num_kv_blocks", "Blocks in the KV cache pool.", registry=r
+        )
+        self.num_free_kv_blocks = Gauge(
+            "kvserve:num_free_kv_blocks", "Free blocks in the KV cache pool.", registry=r
+        )
+        for gauge, read in (
+            (self.num_requests_running, lambda engine: engine.num_running),
+            (self.num_requests_waiting, lambda engine: engine.num_waiting),
+            (self.kv_cache_usage, lambda engine: engine.pool.usage),
+            (self.num_kv_blocks, lambda engine: engine.pool.num_blocks),
+            (self.num_free_kv_blocks, lambda engine: engine.pool.num_free),
+        ):
+            gauge.set_function(self._reader(read))
+        self.prompt_tokens = Counter(
+            "kvserve:prompt_tokens", "Prompt tokens of admitted requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "kvserve:generation_tokens", "Generated tokens.", registry=r
+        )
+        self.request_success = Counter(
+            "kvserve:request_success",
+            "Requests that ended, by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "kvserve:request_rejections",
+            "Requests refused or dropped for load or by the client, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(reason)
+        self.http_requests = Counter(
+            "kvserve:http_requests",
+            "HTTP requests answered, by endpoint and status (499: the client left).",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.http_server_errors = Counter(
+            "kvserve:http_server_errors",
+            "HTTP requests answered with a 5xx status.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.ignored_fields = Counter(
+            "kvserve:ignored_fields",
+            "Request fields accepted without effect, by name.",
+            ["field"],
+            registry=r,
+        )
+        self._field_labels: set[str] = set()
+        self._last_token_at: dict[str, float] = {}
+
+    def _reader(self, read):
+        def value() -> float:
+            engine = self._engine
+            return 0.0 if engine is None or engine.scheduler is None else float(read(engine))
+
+        return value
+
+    def bind(self, engine: Engine) -> None:
+        """Read the gauges from this engine from now on."""
+        self._engine = engine
+
+    # -- engine hooks (event loop thread) ------------------------------------------------------
+
+    def on_admitted(self, state: RequestState) -> None:
+        if state.admitted_at is not None:
+            self.request_queue_time.observe(state.admitted_at - state.request.arrival_time)
+        self.prompt_tokens.inc(state.num_prompt_tokens)
+
+    def on_token(self, state: RequestState, now: float) -> None:
+        request_id = state.request_id
+        last = self._last_token_at.get(request_id)
+        if last is None:
+            self.time_to_first_token.observe(now - state.request.arrival_time)
+        else:
+            self.inter_token_latency.observe(now - last)
+        self._last_token_at[request_id] = now
+        self.generation_tokens.inc()
+
+    def on_finished(self, state: RequestState) -> None:
+        self._last_token_at.pop(state.request_id, None)
+        if state.finished_at is not None:
+            self.e2e_request_latency.observe(state.finished_at - state.request.arrival_time)
+        self.request_success.labels(state.finish_reason or "unknown").inc()
+
+    def on_rejected(self, reason: str) -> None:
+        self.rejections.labels(reason).inc()
+
+    # -- HTTP level ----------------------------------------------------------------------------
+
+    def observe_http(self, endpoint: str, status: int, *, client_gone: bool = True) -> None:
+        """Count one answered request; 499 is counted as such (and, unless `client_gone` is
+        False, as a client_gone rejection), never as a server error."""
+        self.http_requests.labels(endpoint, str(status)).inc()
+        if status == 499:
+            if client_gone:
+                self.rejections.labels("client_gone").inc()
+        elif status >= 500:
+            self.http_server_errors.labels(endpoint).inc()
+
+    def observe_ignored_fields(self, names: Iterable[str]) -> None:
+        for name in names:
+            label = name[:64]
+            if label not in self._field_labels:
+                if len(self._field_labels) >= _MAX_FIELD_LABELS:
+                    label = "_other"
+                else:
+                    self._field_labels.add(label)
+            self.ignored_fields.labels(label).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,120 @@
+"""`kvserve serve` as a subprocess: banner, flags from the environment, a request answered,
+and a clean stop on SIGINT / SIGTERM with a stream in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "cli-test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Lines:
+    """The process's stdout, line by line, read in a thread so waits can time out."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{text!r} not printed; got {self.lines}")
+            try:
+                line = self._queue.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise RuntimeError(f"the process exited before printing {text!r}: {self.lines}")
+            self.lines.append(line)
+            if text in line:
+                return line
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_serve_subprocess(stop_signal):
+    port = _free_port()
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        # Flags from the environment, as KVSERVE_<NAME>.
+        "KVSERVE_API_KEY": API_KEY,
+        "KVSERVE_NUM_KV_BLOCKS": "64",
+        "KVSERVE_MAX_NUM_SEQS": "2",
+        "KVSERVE_DEVICE": "cpu",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--max-model-len", "1024"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    stderr_lines: list[str] = []
+    threading.Thread(target=lambda: stderr_lines.extend(process.stderr), daemon=True).start()
+    try:
+        stdout = _Lines(process.stdout)
+        url_line = stdout.wait_for("listening on", timeout=240)
+        url = f"http://127.0.0.1:{port}"
+        assert url in url_line
+        banner = "".join(stdout.lines)
+        assert "KV pool: 64 blocks x 32 positions" in banner
+        assert "SmolLM2" in banner
+
+        assert httpx.get(url + "/ready").status_code == 200
+        payload = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+        assert httpx.post(url + "/v1/chat/completions", json=payload).status_code == 401
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        reply = httpx.post(url + "/v1/chat/completions", json=payload, headers=headers, timeout=60)
+        assert reply.status_code == 200
+        assert reply.json()["usage"]["completion_tokens"] <= 3
+
+        # A stream in flight when the signal arrives ends with an error event and [DONE].
+        long = {**payload, "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json=long, headers=headers, timeout=60
+        ) as response:
+            assert response.status_code == 200
+            events = []
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line.removeprefix("data: "))
+                if len(events) == 3:
+                    process.send_signal(stop_signal)
+        assert events[-1] == "[DONE]"
+        assert "shutting down" in json.loads(events[-2])["error"]["message"]
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert not any("Traceback" in line for line in stderr_lines), "".join(stderr_lines)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health")

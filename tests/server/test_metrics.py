@@ -1,0 +1,63 @@
+"""ServerMetrics without a model: registries apart, HTTP counting, label bounds."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve.server.metrics import REJECTION_REASONS, ServerMetrics
+
+
+def _samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
+    text, content_type = metrics.render()
+    assert content_type.startswith("text/plain")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text.decode())
+        for sample in family.samples
+    }
+
+
+def test_two_servers_in_one_process_do_not_collide():
+    first, second = ServerMetrics(), ServerMetrics()
+    first.observe_http("/v1/completions", 200)
+    key = ("kvserve:http_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))
+    assert _samples(first)[key] == 1
+    assert key not in _samples(second)
+
+
+def test_every_rejection_reason_is_exported_from_the_start():
+    samples = _samples(ServerMetrics())
+    for reason in REJECTION_REASONS:
+        assert samples[("kvserve:request_rejections_total", (("reason", reason),))] == 0
+
+
+def test_499_is_counted_as_client_gone_never_as_server_error():
+    metrics = ServerMetrics()
+    metrics.observe_http("/v1/chat/completions", 499)
+    metrics.observe_http("/v1/chat/completions", 499, client_gone=False)  # a slow consumer
+    metrics.observe_http("/v1/chat/completions", 500)
+    samples = _samples(metrics)
+    assert samples[("kvserve:request_rejections_total", (("reason", "client_gone"),))] == 1
+    assert (
+        samples[("kvserve:http_server_errors_total", (("endpoint", "/v1/chat/completions"),))] == 1
+    )
+
+
+def test_gauges_read_zero_without_an_engine():
+    samples = _samples(ServerMetrics())
+    assert samples[("kvserve:num_requests_running", ())] == 0
+    assert samples[("kvserve:kv_cache_usage_perc", ())] == 0
+
+
+def test_ignored_field_labels_are_bounded():
+    metrics = ServerMetrics()
+    metrics.observe_ignored_fields(f"field{i}" for i in range(500))
+    metrics.observe_ignored_fields(["field1"])
+    fields = {
+        dict(labels)["field"]: value
+        for (name, labels), value in _samples(metrics).items()
+        if name == "kvserve:ignored_fields_total"
+    }
+    assert len(fields) <= 65
+    assert fields["field1"] == 2
+    assert fields["_other"] == 500 - 64
