@@ -18,6 +18,7 @@ import torch
 from kvserve.bench.loadgen import build_prompts
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine import Engine
+from kvserve.model import device_thread
 from kvserve.model.loader import LoadedModel
 from kvserve.request import GenerationRequest
 from kvserve.sampling import SamplingParams
@@ -147,7 +148,9 @@ def run_engine_bench(
         result = measure_engine(loaded, concurrency)
         if reference is not None:
             prompts = bench_prompts(loaded, result.num_requests, 128)
-            result.reference_output_tok_s = measure_reference(reference, prompts, concurrency)
+            result.reference_output_tok_s = device_thread.call(
+                measure_reference, reference, prompts, concurrency
+            )
         results.append(result)
     return results
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvserve.model import device_thread
 from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.loader import LoadedModel
@@ -164,7 +165,7 @@ def measure_reference(
 
 
 def run_model_bench(loaded: LoadedModel, *, with_reference: bool = True) -> ModelBenchResult:
-    prefill, decode = measure_ours(loaded)
+    prefill, decode = device_thread.call(measure_ours, loaded)
     result = ModelBenchResult(
         dtype=str(loaded.dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
@@ -173,8 +174,10 @@ def run_model_bench(loaded: LoadedModel, *, with_reference: bool = True) -> Mode
         decode_tok_s=decode,
     )
     if with_reference:
-        reference = reference_model(loaded)
-        ref_prefill, ref_decode = measure_reference(reference, loaded.config.vocab_size)
+        reference = device_thread.call(reference_model, loaded)
+        ref_prefill, ref_decode = device_thread.call(
+            measure_reference, reference, loaded.config.vocab_size
+        )
         result.reference_prefill_tok_s = ref_prefill
         result.reference_decode_tok_s = ref_decode
         del reference

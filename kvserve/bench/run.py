@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         raw["model"] = result.to_dict()
     if "engine" in sections:
         print("engine benchmark...", flush=True)
-        reference = None if args.no_reference else reference_model(loaded)
+        from kvserve.model import device_thread
+
+        reference = None if args.no_reference else device_thread.call(reference_model, loaded)
         engine_results = run_engine_bench(loaded, tuple(concurrencies), reference=reference)
         del reference
         out += [

@@ -1,11 +1,11 @@
 """The Engine: one loop that owns all serving state and runs steps while there is work.
 
-    schedule  ->  execute (worker thread)  ->  update
+    schedule  ->  execute (device thread)  ->  update
 
 Bookkeeping (Scheduler, BlockPool, AdmissionQueue, request states, streams) lives on the event
 loop's thread and is only touched there: `submit` and `cancel` are plain synchronous methods
 called from that thread, and the loop applies cancellations, queue expiry and admission at step
-boundaries. The only thing that runs elsewhere is `Batch.execute`, on one worker thread, which
+boundaries. The only thing that runs elsewhere is `Batch.execute`, on the device thread, which
 reads the plan (immutable) and the planned requests' tokens (not modified during a step).
 
 Every way a request ends — finish, stop string, cancel, slow consumer, queue timeout, error,
@@ -20,7 +20,6 @@ import asyncio
 import logging
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +37,7 @@ from kvserve.core import (
 from kvserve.core.scheduler import admit_or_enqueue, admit_waiting
 from kvserve.engine.batch import Batch, StepOutput
 from kvserve.engine.stream import Delta, Stream, TokenLogprob, Usage
+from kvserve.model import device_thread
 from kvserve.model.kv_cache import KVCache, PoolSize, choose_pool_size
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.request import (
@@ -166,7 +166,8 @@ class Engine:
             kv_cache_memory=config.cache.kv_cache_memory,
         )
         log.info(self.pool_size.describe())
-        self.kv_cache = KVCache(
+        self.kv_cache = device_thread.call(
+            KVCache,
             self.model_config,
             self.pool_size.num_blocks,
             config.cache.block_size,
@@ -182,7 +183,6 @@ class Engine:
         self.step_log: deque[StepRecord] | None = deque(maxlen=10_000) if record_steps else None
         self._requests: dict[str, RequestState] = {}
         self._pending_cancels: list[str] = []
-        self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
         self.num_steps = 0
@@ -198,13 +198,6 @@ class Engine:
         self.scheduler = Scheduler(
             self.config.scheduler, self.pool, self.max_model_len, capacity=self._signal
         )
-        threads = torch.get_num_threads()
-        self._executor = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix="kvserve-step",
-            initializer=torch.set_num_threads,
-            initargs=(threads,),
-        )
         self._stopping = False
         self._task = asyncio.create_task(self._run(), name="kvserve-engine")
 
@@ -218,9 +211,6 @@ class Engine:
             await self._task
         finally:
             self._task = None
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
 
     @property
     def running(self) -> bool:
@@ -344,7 +334,7 @@ class Engine:
                 started = time.monotonic()
                 try:
                     output = await loop.run_in_executor(
-                        self._executor, self.batch.execute, plan, self._requests
+                        device_thread.executor(), self.batch.execute, plan, self._requests
                     )
                 except Exception as exc:  # a failed step fails its requests, not the server
                     log.exception("step %d failed", plan.step)

@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from kvserve.config import DeviceConfig
+from kvserve.model import device_thread
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaModel
 from kvserve.model.paths import DEFAULT_MODEL_NAME, default_model_path, resolve_model_path
@@ -94,7 +95,12 @@ class LoadedModel:
 
 def load_model(model: str | None, device_config: DeviceConfig = DeviceConfig()) -> LoadedModel:
     """Load weights and tokenizer. `model` is None (the embedded default), a .gguf file or a
-    Hugging Face directory. Nothing is ever downloaded."""
+    Hugging Face directory. Nothing is ever downloaded. Runs on the device thread (see
+    kvserve.model.device_thread), whichever thread calls it."""
+    return device_thread.call(_load_model, model, device_config)
+
+
+def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
     from kvserve.tokenizer import Tokenizer
 
     started = time.perf_counter()

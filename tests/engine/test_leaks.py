@@ -1,7 +1,11 @@
 """No leaks, property-tested: any interleaving of submits, cancels (queued, prefilling,
 decoding), slow consumers, stop strings, max_tokens and queue timeouts drains to an idle engine:
 every block and slot free, the queue empty, no task or thread left behind, and every request
-ended exactly once with its own tokens."""
+ended exactly once with its own tokens.
+
+Runs in float32: there a row's logits do not depend on its batch mates, so "its own tokens" can
+be checked exactly against the request run alone (in bf16, near-tied tokens may flip with the
+batch composition, which is rounding, not a leak)."""
 
 from __future__ import annotations
 
@@ -100,8 +104,8 @@ async def drive(engine: Engine, tokenizer, index: int, spec: dict) -> dict:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(specs=st.lists(request_specs, min_size=1, max_size=6))
-def test_any_interleaving_drains_to_an_idle_engine(loaded_default, specs):
-    tokenizer = loaded_default.tokenizer
+def test_any_interleaving_drains_to_an_idle_engine(loaded_fp32, specs):
+    tokenizer = loaded_fp32.tokenizer
     threads_before = set(threading.enumerate())
     config = make_config(
         slots=2, blocks=8, chunk=8, rows=24, queue_per_slot=1, queue_timeout=0.4, buffer=3,
@@ -109,7 +113,7 @@ def test_any_interleaving_drains_to_an_idle_engine(loaded_default, specs):
     )
 
     async def main():
-        engine = Engine(config, loaded_default)
+        engine = Engine(config, loaded_fp32)
         await engine.start()
         results = await asyncio.gather(
             *(drive(engine, tokenizer, i, spec) for i, spec in enumerate(specs))
@@ -139,5 +143,5 @@ def test_any_interleaving_drains_to_an_idle_engine(loaded_default, specs):
         if final.finish_reason == "cancelled":
             assert isinstance(final.error, RequestCancelled)
         # Its own tokens, never another request's: what it got is what it gets alone.
-        expected = reference_tokens(loaded_default, result["prompt"])
+        expected = reference_tokens(loaded_fp32, result["prompt"])
         assert tokens == expected[: len(tokens)]
