@@ -116,9 +116,7 @@ def reference_model(loaded: LoadedModel):
     )
     model = transformers.LlamaForCausalLM(hf_config)
     source = (
-        SafetensorsCheckpoint(loaded.path)
-        if loaded.path.is_dir()
-        else GGUFCheckpoint(loaded.path)
+        SafetensorsCheckpoint(loaded.path) if loaded.path.is_dir() else GGUFCheckpoint(loaded.path)
     )
     state = {}
     for name in model.state_dict():
@@ -154,7 +152,11 @@ def measure_reference(
 
         def run(n: int, b=batch, m=mask):
             return model.generate(
-                b, attention_mask=m, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                b,
+                attention_mask=m,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
                 pad_token_id=0,
             )
 
@@ -196,8 +198,11 @@ def format_model_table(result: ModelBenchResult) -> str:
         else:
             lines.append(f"| {label} | {ours:.0f} | — | — |")
 
-    row(f"prefill, one {result.prefill_tokens}-token prompt", result.prefill_tok_s,
-        result.reference_prefill_tok_s)
+    row(
+        f"prefill, one {result.prefill_tokens}-token prompt",
+        result.prefill_tok_s,
+        result.reference_prefill_tok_s,
+    )
     for rows, tok_s in result.decode_tok_s.items():
         theirs = (result.reference_decode_tok_s or {}).get(rows)
         row(f"decode, {rows} rows x ~128 context", tok_s, theirs)

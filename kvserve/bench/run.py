@@ -58,8 +58,18 @@ def http_bench(concurrencies: list[int], dtype: str) -> tuple[str, list]:
     port = free_port()
     env = dict(os.environ)
     command = [
-        sys.executable, "-m", "kvserve", "serve", "--host", "127.0.0.1", "--port", str(port),
-        "--max-num-seqs", str(max(concurrencies)), "--dtype", dtype,
+        sys.executable,
+        "-m",
+        "kvserve",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        str(max(concurrencies)),
+        "--dtype",
+        dtype,
     ]
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -17,6 +17,7 @@ delta carrying the finish reason and usage.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -310,7 +311,10 @@ class Engine:
             and len(self.queue) == 0
             and self.pool.num_free == self.pool.num_blocks
             and self.pool.check_whole()
-            and (self.scheduler is None or self.scheduler.num_free_slots == self.scheduler.config.max_num_seqs)
+            and (
+                self.scheduler is None
+                or self.scheduler.num_free_slots == self.scheduler.config.max_num_seqs
+            )
         )
 
     # -- the loop ------------------------------------------------------------------------------
@@ -372,10 +376,8 @@ class Engine:
             return
         deadline = self.queue.next_deadline
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
-        except TimeoutError:
-            pass
 
     def _boundary(self) -> None:
         """Between steps: apply cancellations, expire waits, run the admission round."""
@@ -427,7 +429,9 @@ class Engine:
             self.observer.on_token(state, now)
             logprobs = ()
             if sampled.logprob is not None:
-                logprobs = (TokenLogprob(token, sampled.logprob, tuple(sampled.top_logprobs or ())),)
+                logprobs = (
+                    TokenLogprob(token, sampled.logprob, tuple(sampled.top_logprobs or ())),
+                )
 
             detok = state.detokenizer
             reason = None
@@ -446,8 +450,11 @@ class Engine:
             elif not state.stream.offer(
                 Delta(text=text, token_ids=(token,), logprobs=logprobs, timestamp=now)
             ):
-                log.info("%s: client fell %d steps behind; dropping it", state.request_id,
-                         state.stream.capacity)
+                log.info(
+                    "%s: client fell %d steps behind; dropping it",
+                    state.request_id,
+                    state.stream.capacity,
+                )
                 self.observer.on_rejected("slow_consumer")
                 self._release(state, "slow_consumer")
 

@@ -52,7 +52,9 @@ class LLM:
         if model is not None and config.model != model:
             raise ValueError("pass the model either as `model` or inside `config`, not both")
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvserve-llm", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvserve-llm", daemon=True
+        )
         self._thread.start()
         self.engine = Engine(config, loaded, record_steps=record_steps)
         self.tokenizer = self.engine.tokenizer
@@ -88,7 +90,9 @@ class LLM:
             conversations = [conversations]
         return self._generate([tuple(self.tokenizer.encode_chat(c)) for c in conversations], params)
 
-    def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[Delta]:
+    def stream(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> Iterator[Delta]:
         """Yield deltas of one generation as they are produced."""
         request = GenerationRequest(tuple(prompt_token_ids), params or SamplingParams())
 

@@ -179,8 +179,12 @@ def paged_attention(
             from kvserve.model import native as kernels
 
             kernels.paged_decode(
-                q[rows_of], kv_layer, meta.decode_block_tables, meta.decode_lengths,
-                out[rows_of], scale,
+                q[rows_of],
+                kv_layer,
+                meta.decode_block_tables,
+                meta.decode_lengths,
+                out[rows_of],
+                scale,
             )
         else:
             out[rows_of] = _decode_torch(q[rows_of], kv_layer, meta, scale, group)

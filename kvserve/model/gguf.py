@@ -153,7 +153,9 @@ class GGUFCheckpoint:
             if name is not None:
                 self.tensors[name] = tensor
         self.config = config_from_fields(self.fields, {t.name for t in self.reader.tensors})
-        self.rope_freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
+        self.rope_freqs = next(
+            (t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None
+        )
         if self.rope_freqs is not None:
             raise UnsupportedModelError(
                 "GGUF files with a rope_freqs tensor (Llama 3.1 long-context scaling) are not "

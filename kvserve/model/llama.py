@@ -55,8 +55,8 @@ class LlamaModel:
         self.lm_head = lm_head  # [vocab, hidden] (the same tensor as embed when tied)
         # Per layer: (q|k|v, o, gate|up, down) as prepared products.
         self.projections = [
-            (Linear(l.qkv, l.qkv_bias), Linear(l.o), Linear(l.gate_up), Linear(l.down))
-            for l in layers
+            (Linear(w.qkv, w.qkv_bias), Linear(w.o), Linear(w.gate_up), Linear(w.down))
+            for w in layers
         ]
         self.head = Linear(lm_head)
         self.dtype = embed.dtype
@@ -119,9 +119,7 @@ class LlamaModel:
                 qn = need(p + "self_attn.q_norm.weight").float()
                 kn = need(p + "self_attn.k_norm.weight").float()
                 qk_norm = place(
-                    torch.cat(
-                        [qn.expand(config.num_heads, -1), kn.expand(config.num_kv_heads, -1)]
-                    )
+                    torch.cat([qn.expand(config.num_heads, -1), kn.expand(config.num_kv_heads, -1)])
                 )
             gate_up = torch.cat(
                 [need(p + f"mlp.{n}_proj.weight").to(dtype) for n in ("gate", "up")]

@@ -105,8 +105,9 @@ MAX_GROUP = 16
 HEAD_DIMS = (64, 128)
 
 
-def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-             head_dim: int) -> bool:
+def supports(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
     """Whether the C decode kernel handles this model on this device (else: torch path)."""
     return (
         device.type == "cpu"

@@ -40,7 +40,9 @@ def resolve_model_path(model: str | None) -> Path:
         )
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+            raise FileNotFoundError(
+                f"{path} has no config.json: not a Hugging Face model directory"
+            )
     elif path.suffix != ".gguf":
         raise ValueError(f"{path} is neither a .gguf file nor a model directory")
     return path.resolve()

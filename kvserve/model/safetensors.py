@@ -43,7 +43,11 @@ def config_from_json(raw: dict[str, Any]) -> ModelConfig:
     num_heads = int(raw["num_attention_heads"])
     max_positions = int(raw.get("max_position_embeddings", 2048))
     window = raw.get("sliding_window")
-    if window is not None and raw.get("use_sliding_window", arch == "llama") and window < max_positions:
+    if (
+        window is not None
+        and raw.get("use_sliding_window", arch == "llama")
+        and window < max_positions
+    ):
         # Full attention equals sliding-window attention while the context fits the window.
         max_positions = int(window)
     theta, scaling_raw = _rope_parameters(raw)
@@ -94,7 +98,7 @@ class SafetensorsCheckpoint:
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._where: dict[str, Any] = {}
         for handle in self._handles:
-            for key in handle.keys():
+            for key in handle:
                 self._where[key] = handle
         self.quantization = sorted({str(self._dtype_of(k)) for k in list(self._where)[:8]})
 

@@ -138,15 +138,19 @@ def test_reused_blocks_and_slots_carry_nothing_over(loaded_fp32):
     fresh engine and after another request has used (and dirtied) the same slot and blocks."""
     victim = chat_ids(loaded_fp32, "Name three colours of the rainbow.")
     polluter = chat_ids(loaded_fp32, "Write a long story about dragons, " * 8)
-    params = dict(max_tokens=24, temperature=0.7, seed=99, repetition_penalty=1.3,
-                  frequency_penalty=0.5)
+    params = dict(
+        max_tokens=24, temperature=0.7, seed=99, repetition_penalty=1.3, frequency_penalty=0.5
+    )
 
     async def fresh(engine):
         return tokens_of(await collect(engine.submit(request(victim, **params))))
 
     async def after_polluter(engine):
-        await collect(engine.submit(request(polluter, max_tokens=40, temperature=0.8, seed=5,
-                                            repetition_penalty=1.1)))
+        await collect(
+            engine.submit(
+                request(polluter, max_tokens=40, temperature=0.8, seed=5, repetition_penalty=1.1)
+            )
+        )
         assert engine.pool.num_free == engine.pool.num_blocks
         return tokens_of(await collect(engine.submit(request(victim, **params))))
 
@@ -161,7 +165,9 @@ def test_max_tokens_ends_with_length_and_usage(loaded_default):
     ids = chat_ids(loaded_default, "Count from one to one hundred.")
 
     async def body(engine):
-        return await collect(engine.submit(request(ids, max_tokens=7, temperature=0, ignore_eos=True)))
+        return await collect(
+            engine.submit(request(ids, max_tokens=7, temperature=0, ignore_eos=True))
+        )
 
     deltas = run_engine(loaded_default, make_config(), body)
     final = deltas[-1]
@@ -203,8 +209,9 @@ def test_logprobs_are_delivered(loaded_default):
     ids = chat_ids(loaded_default, "Hi")
 
     async def body(engine):
-        return await collect(engine.submit(request(ids, max_tokens=5, temperature=0, logprobs=3,
-                                                   ignore_eos=True)))
+        return await collect(
+            engine.submit(request(ids, max_tokens=5, temperature=0, logprobs=3, ignore_eos=True))
+        )
 
     deltas = run_engine(loaded_default, make_config(), body)
     entries = [lp for d in deltas for lp in d.logprobs]
@@ -288,8 +295,9 @@ def test_long_prompt_does_not_stall_decoding_sequences(loaded_default):
     short = [tok.encode(f"Sequence number {i} says") for i in range(8)]
 
     async def body(engine):
-        streams = [engine.submit(request(s, max_tokens=40, temperature=0, ignore_eos=True))
-                   for s in short]
+        streams = [
+            engine.submit(request(s, max_tokens=40, temperature=0, ignore_eos=True)) for s in short
+        ]
         first = []
         for s in streams:
             first.append(await s.__anext__())  # all eight are decoding

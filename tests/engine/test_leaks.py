@@ -19,7 +19,18 @@ from kvserve.engine.engine import Engine
 from kvserve.request import QueueFull, RequestCancelled
 from tests.engine.helpers import make_config, request
 
-WORDS = "river stone light paper window orange quiet seven market garden".split()
+WORDS = [
+    "river",
+    "stone",
+    "light",
+    "paper",
+    "window",
+    "orange",
+    "quiet",
+    "seven",
+    "market",
+    "garden",
+]
 FINISH_REASONS = {"stop", "length", "cancelled", "slow_consumer", "queue_timeout"}
 
 behaviours = st.sampled_from(
@@ -48,8 +59,9 @@ def reference_tokens(loaded, prompt_ids: tuple[int, ...]) -> list[int]:
             engine = Engine(make_config(slots=1, blocks=8, max_model_len=128), loaded)
             await engine.start()
             try:
-                stream = engine.submit(request(prompt_ids, max_tokens=10, temperature=0,
-                                               ignore_eos=True))
+                stream = engine.submit(
+                    request(prompt_ids, max_tokens=10, temperature=0, ignore_eos=True)
+                )
                 return [t async for d in stream for t in d.token_ids]
             finally:
                 await engine.stop()
@@ -108,7 +120,13 @@ def test_any_interleaving_drains_to_an_idle_engine(loaded_fp32, specs):
     tokenizer = loaded_fp32.tokenizer
     threads_before = set(threading.enumerate())
     config = make_config(
-        slots=2, blocks=8, chunk=8, rows=24, queue_per_slot=1, queue_timeout=0.4, buffer=3,
+        slots=2,
+        blocks=8,
+        chunk=8,
+        rows=24,
+        queue_per_slot=1,
+        queue_timeout=0.4,
+        buffer=3,
         max_model_len=128,
     )
 

@@ -126,7 +126,9 @@ def test_prefill_and_decode_rows_mixed_in_one_step(loaded_fp32):
     model.forward(
         torch.tensor(b[:-1]), build_metadata([Chunk(0, len(b) - 1, [9, 2], False)], 32, CPU), cache
     )
-    meta = build_metadata([Chunk(0, len(a), [4, 1], True), Chunk(len(b) - 1, 1, [9, 2], True)], 32, CPU)
+    meta = build_metadata(
+        [Chunk(0, len(a), [4, 1], True), Chunk(len(b) - 1, 1, [9, 2], True)], 32, CPU
+    )
     both = model.forward(torch.tensor(a + b[-1:]), meta, cache)
     assert (both[0] - alone_a).abs().max().item() <= 1e-4
     assert (both[1] - alone_b).abs().max().item() <= 1e-4

@@ -33,7 +33,10 @@ def test_logits_match_transformers_at_every_position(loaded_fp32, reference):
     tokenizer = loaded_fp32.tokenizer
     messages = [
         {"role": "system", "content": "You are a concise assistant who answers in English."},
-        {"role": "user", "content": "Name two rivers that flow through Paris, and explain briefly why each matters."},
+        {
+            "role": "user",
+            "content": "Name two rivers that flow through Paris, and explain briefly why each matters.",
+        },
     ]
     ids = tokenizer.encode_chat(messages)
     assert len(ids) >= 37

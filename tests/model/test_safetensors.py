@@ -65,7 +65,9 @@ def save_tiny(tmp_path, config, *, max_shard_size=None):
 
 def our_logits(path, ids: list[int]) -> torch.Tensor:
     checkpoint = SafetensorsCheckpoint(path)
-    model = LlamaModel.from_tensors(checkpoint.config, checkpoint.get, dtype=torch.float32, device=CPU)
+    model = LlamaModel.from_tensors(
+        checkpoint.config, checkpoint.get, dtype=torch.float32, device=CPU
+    )
     cache = KVCache(model.config, 8, 32, torch.float32, CPU)
     meta = build_metadata([Chunk(0, len(ids), [3, 0, 5], True)], 32, CPU)
     meta.logits_indices = torch.arange(len(ids))
@@ -136,7 +138,9 @@ def test_hf_directory_loads_with_its_tokenizer(tmp_path, model_path):
     loaded = load_model(str(tmp_path), DeviceConfig(device="cpu", dtype="float32"))
     ids = loaded.tokenizer.encode_chat([{"role": "user", "content": "Hello there!"}])
     assert ids == tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Hello there!"}], add_generation_prompt=True, tokenize=True,
+        [{"role": "user", "content": "Hello there!"}],
+        add_generation_prompt=True,
+        tokenize=True,
         return_dict=False,
     )
     cache = KVCache(loaded.config, 4, 32, torch.float32, CPU)
