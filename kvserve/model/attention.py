@@ -137,8 +137,10 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     native: bool = False,
+    store: bool = True,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend. Returns `[rows, heads * head_dim]`.
+    """Write this step's K/V into the cache (unless `store` is False: the caller already
+    did), then attend. Returns `[rows, heads * head_dim]`.
 
     q: [rows, heads, head_dim]; k, v: [rows, kv_heads, head_dim];
     kv_layer: [2, kv_heads, num_blocks, block_size, head_dim] (this layer's cache).
@@ -149,9 +151,10 @@ def paged_attention(
     group = num_heads // num_kv_heads
     _, _, num_blocks, block_size, _ = kv_layer.shape
     # flat: [2, kv_heads, num_blocks * block_size, head_dim]
-    flat = kv_layer.view(2, num_kv_heads, num_blocks * block_size, head_dim)
-    flat[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    flat[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if store:
+        flat = kv_layer.view(2, num_kv_heads, num_blocks * block_size, head_dim)
+        flat[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        flat[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
     out = torch.empty(rows, num_heads, head_dim, dtype=q.dtype, device=q.device)
     for seg in meta.segments:

@@ -67,6 +67,8 @@ class LlamaModel:
         self.native = native.supports(
             self.device, self.dtype, config.num_heads, config.num_kv_heads, config.head_dim
         )
+        # The fused C layer ops (norms, RoPE + cache write, SiLU) — not for q/k-norm models.
+        self.fused = self.native and not config.qk_norm
         self._build_rope_tables(config.max_position_embeddings)
 
     # -- construction -------------------------------------------------------------------------
@@ -153,6 +155,9 @@ class LlamaModel:
         # x*cos + roll(x, half)*sin_signed where sin_signed = [-sin, sin]: one op fewer per layer.
         self.rope_cos = torch.cat([cos, cos], dim=-1).to(self.device, self.dtype)
         self.rope_sin = torch.cat([-sin, sin], dim=-1).to(self.device, self.dtype)
+        # The fused kernel reads the half tables in float32: [max_positions, head_dim / 2].
+        self.rope_cos_half = cos.contiguous()
+        self.rope_sin_half = sin.contiguous()
 
     @property
     def num_bytes(self) -> int:
@@ -176,6 +181,8 @@ class LlamaModel:
         its activations): only matmul inputs are cast down. With bf16 weights on a small model
         the difference decides greedy choices between near-tied tokens.
         """
+        if self.fused and self.native:
+            return self._forward_fused(token_ids, meta, kv_cache)
         cfg = self.config
         dtype = self.dtype
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -212,6 +219,57 @@ class LlamaModel:
             x.add_(down_proj(F.silu(gate) * up))
 
         x = F.rms_norm(x[meta.logits_indices], (hidden,), self.norm, eps)
+        return self.logits(x)
+
+    def _forward_fused(
+        self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """The same computation as `forward` with the elementwise work in C kernels: a layer is
+        four matmuls, attention, and four kernel calls (norm, RoPE + cache write, norm, SiLU)."""
+        from kvserve.model import native
+
+        cfg = self.config
+        dtype, eps = self.dtype, cfg.rms_norm_eps
+        num_heads, num_kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        rows = token_ids.shape[0]
+        q_size, qk_size = cfg.q_size, cfg.q_size + cfg.kv_size
+        layers = self.layers
+
+        x = F.embedding(token_ids, self.embed).float()  # [rows, hidden] residual, fp32
+        h = native.add_rmsnorm(x, None, layers[0].attn_norm, eps, dtype)
+        for index, layer in enumerate(layers):
+            qkv_proj, o_proj, gate_up_proj, down_proj = self.projections[index]
+            qkv = qkv_proj(h)  # [rows, q + 2 kv]
+            kv_layer = kv_cache.layer(index)
+            native.rope_store(
+                qkv,
+                meta.positions,
+                self.rope_cos_half,
+                self.rope_sin_half,
+                meta.slot_mapping,
+                kv_layer,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+            )
+            attn = paged_attention(
+                qkv[:, :q_size].view(rows, num_heads, head_dim),
+                qkv[:, q_size:qk_size].view(rows, num_kv_heads, head_dim),
+                qkv[:, qk_size:].view(rows, num_kv_heads, head_dim),
+                kv_layer,
+                meta,
+                self.scale,
+                native=True,
+                store=False,
+            )
+            h = native.add_rmsnorm(x, o_proj(attn), layer.mlp_norm, eps, dtype)
+            down = down_proj(native.silu_mul(gate_up_proj(h)))
+            if index + 1 < len(layers):
+                h = native.add_rmsnorm(x, down, layers[index + 1].attn_norm, eps, dtype)
+            else:
+                x.add_(down)
+
+        x = F.rms_norm(x[meta.logits_indices], (cfg.hidden_size,), self.norm, eps)
         return self.logits(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

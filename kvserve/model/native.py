@@ -23,7 +23,7 @@ import torch
 
 log = logging.getLogger("kvserve.model")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.c", "layer_ops.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -54,17 +54,17 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: CPU attention uses the slower pure-torch path")
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     digest = hashlib.sha256(
         source + " ".join(FLAGS).encode() + _cpu_key().encode() + platform.machine().encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{digest}.so"
+    target = _cache_dir() / f"kernels-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             result = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
                 capture_output=True,
                 text=True,
             )
@@ -98,6 +98,17 @@ def library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = args
         fn.restype = ctypes.c_int
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "kvserve_add_rmsnorm": [p, p, p, p, i64, i64, f32, i32],
+        "kvserve_silu_mul": [p, p, i64, i64, i32],
+        "kvserve_rope_store": [p, p, p, p, p, p, i64, i64, i64, i64, i64, i32],
+    }
+    for base, argtypes in signatures.items():
+        for suffix in ("_f32", "_bf16"):
+            fn = getattr(lib, base + suffix)
+            fn.argtypes = argtypes
+            fn.restype = None
     return lib
 
 
@@ -162,3 +173,84 @@ def paged_decode(
             f"paged decode kernel refused shapes: {num_heads} heads / {num_kv_heads} KV heads, "
             f"head_dim {head_dim}"
         )
+
+
+def _suffix(tensor: torch.Tensor) -> str:
+    return "_f32" if tensor.dtype == torch.float32 else "_bf16"
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def add_rmsnorm(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """x += delta (in place, when given); returns rmsnorm(x) * weight in `out_dtype`.
+
+    x: [rows, hidden] float32 contiguous (the residual stream); delta: [rows, hidden] in
+    `out_dtype`, contiguous; weight: [hidden] float32.
+    """
+    rows, hidden = x.shape
+    out = torch.empty(rows, hidden, dtype=out_dtype)
+    fn = getattr(library(), "kvserve_add_rmsnorm" + _suffix(out))
+    fn(
+        x.data_ptr(),
+        _ptr(delta),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        hidden,
+        eps,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from `[rows, 2 * width]` (gate columns first); returns [rows, width]."""
+    rows, double = gate_up.shape
+    out = torch.empty(rows, double // 2, dtype=gate_up.dtype)
+    fn = getattr(library(), "kvserve_silu_mul" + _suffix(out))
+    fn(gate_up.data_ptr(), out.data_ptr(), rows, double // 2, torch.get_num_threads())
+    return out
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_half: torch.Tensor,
+    sin_half: torch.Tensor,
+    slots: torch.Tensor,
+    kv_layer: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """Rotate the q and k heads of `qkv` in place and write k and v into the cache.
+
+    qkv: [rows, (heads + 2 kv_heads) * head_dim] contiguous; positions, slots: [rows] int64;
+    cos_half, sin_half: [max_positions, head_dim / 2] float32;
+    kv_layer: [2, kv_heads, num_blocks, block_size, head_dim] contiguous.
+    """
+    rows = qkv.shape[0]
+    num_slots = kv_layer.shape[2] * kv_layer.shape[3]
+    fn = getattr(library(), "kvserve_rope_store" + _suffix(qkv))
+    fn(
+        qkv.data_ptr(),
+        positions.data_ptr(),
+        cos_half.data_ptr(),
+        sin_half.data_ptr(),
+        slots.data_ptr(),
+        kv_layer.data_ptr(),
+        rows,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        num_slots,
+        torch.get_num_threads(),
+    )

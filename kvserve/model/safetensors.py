@@ -98,7 +98,7 @@ class SafetensorsCheckpoint:
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._where: dict[str, Any] = {}
         for handle in self._handles:
-            for key in handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                 self._where[key] = handle
         self.quantization = sorted({str(self._dtype_of(k)) for k in list(self._where)[:8]})
 

@@ -1,0 +1,128 @@
+/*
+ * Fused per-layer elementwise work on the CPU, replacing several torch ops (and their dispatch
+ * and temporaries) each:
+ *
+ *   add_rmsnorm   x += delta (optional); out = cast(x * rsqrt(mean(x^2) + eps) * weight)
+ *   silu_mul      out = cast(silu(gate) * up) from the fused gate|up product
+ *   rope_store    rotate q and k in place (half-rotation RoPE) and write k, v into the paged cache
+ *
+ * The residual stream x is float32; `out`, `delta` and the q|k|v rows are the model dtype
+ * (float32 or bfloat16, chosen by the `_f32` / `_bf16` entry points). Rows run in parallel with
+ * OpenMP when there are enough of them to pay for it.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } x;
+    x.u = (uint32_t)h << 16;
+    return x.f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    union { uint32_t u; float f; } x;
+    x.f = f;
+    if ((x.u & 0x7f800000u) == 0x7f800000u && (x.u & 0x007fffffu)) return (uint16_t)((x.u >> 16) | 0x40);
+    uint32_t rounding = 0x7fffu + ((x.u >> 16) & 1u);
+    return (uint16_t)((x.u + rounding) >> 16);
+}
+
+static inline float float_identity(float f) { return f; }
+
+#define DEFINE_ADD_RMSNORM(NAME, T, LOAD, STORE)                                                   \
+    void NAME(float *x, const T *delta, const float *weight, T *out, int64_t rows,                \
+              int64_t hidden, float eps, int num_threads) {                                       \
+        _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")                              \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            float *xr = x + r * hidden;                                                           \
+            float sum = 0.f;                                                                      \
+            if (delta) {                                                                          \
+                const T *dr = delta + r * hidden;                                                 \
+                _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < hidden; i++) {     \
+                    xr[i] += LOAD(dr[i]);                                                         \
+                    sum += xr[i] * xr[i];                                                         \
+                }                                                                                 \
+            } else {                                                                              \
+                _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < hidden; i++) sum += \
+                    xr[i] * xr[i];                                                                \
+            }                                                                                     \
+            const float scale = 1.f / sqrtf(sum / (float)hidden + eps);                           \
+            T *orow = out + r * hidden;                                                           \
+            _Pragma("omp simd") for (int64_t i = 0; i < hidden; i++) orow[i] =                    \
+                STORE(xr[i] * scale * weight[i]);                                                 \
+        }                                                                                         \
+    }
+
+DEFINE_ADD_RMSNORM(kvserve_add_rmsnorm_f32, float, float_identity, float_identity)
+DEFINE_ADD_RMSNORM(kvserve_add_rmsnorm_bf16, uint16_t, bf16_to_float, float_to_bf16)
+
+/* Logistic sigmoid with the same range reduction as the attention kernel's exp. */
+static inline float fast_exp(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.0f ? 88.0f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return y * scale.f;
+}
+
+#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE)                                                      \
+    void NAME(const T *gate_up, T *out, int64_t rows, int64_t width, int num_threads) {           \
+        _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")                              \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            const T *gate = gate_up + r * 2 * width, *up = gate + width;                          \
+            T *orow = out + r * width;                                                            \
+            _Pragma("omp simd") for (int64_t i = 0; i < width; i++) {                             \
+                const float g = LOAD(gate[i]);                                                    \
+                orow[i] = STORE(g / (1.f + fast_exp(-g)) * LOAD(up[i]));                          \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+DEFINE_SILU_MUL(kvserve_silu_mul_f32, float, float_identity, float_identity)
+DEFINE_SILU_MUL(kvserve_silu_mul_bf16, uint16_t, bf16_to_float, float_to_bf16)
+
+/*
+ * qkv: [rows][(heads + 2 kv_heads) * head_dim], q heads then k heads then v heads.
+ * cos, sin: [max_positions][head_dim / 2] float32 (the half table; both halves share it).
+ * kv: this layer's cache [2][kv_heads][num_blocks * block_size][head_dim].
+ */
+#define DEFINE_ROPE_STORE(NAME, T, LOAD, STORE)                                                    \
+    void NAME(T *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,   \
+              const int64_t *slots, T *kv, int64_t rows, int64_t heads, int64_t kv_heads,         \
+              int64_t head_dim, int64_t num_slots, int num_threads) {                             \
+        const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim;             \
+        const int64_t head_stride = num_slots * head_dim;                                         \
+        T *k_cache = kv, *v_cache = kv + kv_heads * head_stride;                                  \
+        _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")                              \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            T *row = qkv + r * width;                                                             \
+            const float *c = cos_table + positions[r] * half, *s = sin_table + positions[r] * half; \
+            for (int64_t h = 0; h < heads + kv_heads; h++) {                                      \
+                T *x = row + h * head_dim;                                                        \
+                _Pragma("omp simd") for (int64_t i = 0; i < half; i++) {                          \
+                    const float a = LOAD(x[i]), b = LOAD(x[i + half]);                            \
+                    x[i] = STORE(a * c[i] - b * s[i]);                                            \
+                    x[i + half] = STORE(b * c[i] + a * s[i]);                                     \
+                }                                                                                 \
+            }                                                                                     \
+            const int64_t slot = slots[r];                                                        \
+            for (int64_t h = 0; h < kv_heads; h++) {                                              \
+                memcpy(k_cache + h * head_stride + slot * head_dim,                               \
+                       row + (heads + h) * head_dim, sizeof(T) * head_dim);                       \
+                memcpy(v_cache + h * head_stride + slot * head_dim,                               \
+                       row + (heads + kv_heads + h) * head_dim, sizeof(T) * head_dim);            \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+DEFINE_ROPE_STORE(kvserve_rope_store_f32, float, float_identity, float_identity)
+DEFINE_ROPE_STORE(kvserve_rope_store_bf16, uint16_t, bf16_to_float, float_to_bf16)

@@ -1,0 +1,123 @@
+"""The C kernels against the torch ops they replace, and the fused forward against the plain one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.model import native
+from kvserve.model.attention import build_metadata
+from kvserve.model.kv_cache import KVCache
+from tests.model.helpers import Chunk
+
+CPU = torch.device("cpu")
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert native.library() is not None, "the C kernels must build on this machine"
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_add_rmsnorm_matches_torch(dtype, rows):
+    x = torch.randn(rows, 576, generator=gen(0)) * 3
+    delta = (torch.randn(rows, 576, generator=gen(1)) * 2).to(dtype)
+    weight = torch.rand(576, generator=gen(2)) + 0.5
+    expect_x = x + delta.float()
+    expect = F.rms_norm(expect_x, (576,), weight, 1e-5).to(dtype)
+    got = native.add_rmsnorm(x, delta, weight, 1e-5, dtype)
+    assert torch.equal(x, expect_x)  # the residual was updated in place
+    assert (got.float() - expect.float()).abs().max() <= TOLERANCE[dtype] * 4
+    plain = native.add_rmsnorm(x.clone(), None, weight, 1e-5, dtype)
+    assert (plain.float() - expect.float()).abs().max() <= TOLERANCE[dtype] * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype):
+    gate_up = (torch.randn(17, 2 * 96, generator=gen(3)) * 4).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expect = F.silu(gate) * up
+    got = native.silu_mul(gate_up).float()
+    assert (got - expect).abs().max() <= TOLERANCE[dtype] * expect.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_matches_torch(dtype):
+    heads, kv_heads, head_dim, rows = 4, 2, 64, 6
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen(4)).to(dtype)
+    positions = torch.tensor([0, 1, 2, 40, 41, 300])
+    slots = torch.tensor([5, 6, 7, 70, 71, 99])
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(512).float(), inv)
+    cos, sin = angles.cos(), angles.sin()
+    kv = torch.zeros(2, kv_heads, 4, 32, head_dim, dtype=dtype)
+
+    x = qkv.float().view(rows, heads + 2 * kv_heads, head_dim)[:, : heads + kv_heads]
+    c = torch.cat([cos, cos], -1)[positions][:, None]
+    s = torch.cat([sin, sin], -1)[positions][:, None]
+    rotated = x * c + torch.cat([-x[..., 32:], x[..., :32]], -1) * s
+    v = qkv.float().view(rows, heads + 2 * kv_heads, head_dim)[:, heads + kv_heads :]
+
+    native.rope_store(qkv, positions, cos, sin, slots, kv, heads, kv_heads, head_dim)
+    got = qkv.float().view(rows, heads + 2 * kv_heads, head_dim)
+    tolerance = TOLERANCE[dtype] * 8
+    assert (got[:, : heads + kv_heads] - rotated).abs().max() <= tolerance
+    flat = kv.float().view(2, kv_heads, 4 * 32, head_dim)
+    assert (flat[0][:, slots].transpose(0, 1) - rotated[:, heads:]).abs().max() <= tolerance
+    assert torch.equal(flat[1][:, slots].transpose(0, 1), v)
+    untouched = torch.ones(4 * 32, dtype=torch.bool)
+    untouched[slots] = False
+    assert flat[:, :, untouched].abs().max() == 0  # nothing written elsewhere
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_decode_matches_sdpa(dtype, head_dim):
+    heads, kv_heads, block_size, num_blocks = 8, 2, 32, 12
+    kv = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=gen(5)).to(dtype)
+    lengths = torch.tensor([1, 33, 70, 96])
+    tables = torch.tensor([[3, 0, 0], [7, 1, 0], [2, 9, 4], [11, 5, 6]])
+    q = torch.randn(4, heads, head_dim, generator=gen(6)).to(dtype)
+    out = torch.empty_like(q)
+    native.paged_decode(q, kv, tables, lengths, out, head_dim**-0.5)
+    for i in range(4):
+        n = int(lengths[i])
+        keys = kv[:, :, tables[i]].flatten(2, 3)[:, :, :n].float()  # [2, kv_heads, n, d]
+        k = keys[0].repeat_interleave(heads // kv_heads, 0)
+        v = keys[1].repeat_interleave(heads // kv_heads, 0)
+        expect = F.scaled_dot_product_attention(q[i].float()[:, None], k, v)[:, 0]
+        assert (out[i].float() - expect).abs().max() <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_forward_matches_plain_forward(loaded_fp32, loaded_default, dtype):
+    loaded = loaded_fp32 if dtype == "float32" else loaded_default
+    model = loaded.model
+    assert model.fused
+    ids = loaded.tokenizer.encode("The fused path and the plain path compute the same layer.")
+
+    def run(fused: bool):
+        model.fused = fused
+        try:
+            cache = KVCache(model.config, 8, 32, model.dtype, CPU)
+            chunks = [Chunk(0, len(ids) - 1, [4, 2], True)]
+            first = model.forward(torch.tensor(ids[:-1]), build_metadata(chunks, 32, CPU), cache)
+            meta = build_metadata([Chunk(len(ids) - 1, 1, [4, 2], True)], 32, CPU)
+            return first, model.forward(torch.tensor(ids[-1:]), meta, cache)
+        finally:
+            model.fused = True
+
+    plain, fused = run(False), run(True)
+    for a, b in zip(plain, fused, strict=True):
+        if dtype == "float32":
+            assert (a - b).abs().max() <= 1e-4
+        else:  # bf16 rounds at different points; the prediction is what must agree
+            assert (a - b).abs().max() <= 1.0
+            assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
