@@ -15,17 +15,20 @@
 #include <string.h>
 
 static inline float bf16_to_float(uint16_t h) {
-    union { uint32_t u; float f; } x;
-    x.u = (uint32_t)h << 16;
-    return x.f;
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
+/* Round to nearest even; a NaN keeps a mantissa bit so it cannot round to infinity. Written
+ * without branches so loops around it vectorize. */
 static inline uint16_t float_to_bf16(float f) {
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    if ((x.u & 0x7f800000u) == 0x7f800000u && (x.u & 0x007fffffu)) return (uint16_t)((x.u >> 16) | 0x40);
-    uint32_t rounding = 0x7fffu + ((x.u >> 16) & 1u);
-    return (uint16_t)((x.u + rounding) >> 16);
+    uint32_t bits;
+    __builtin_memcpy(&bits, &f, sizeof bits);
+    const uint32_t nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (uint16_t)(nan ? ((bits >> 16) | 0x40u) : rounded);
 }
 
 static inline float float_identity(float f) { return f; }
