@@ -28,7 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _size(text: str) -> int:
+def parse_size(text: str) -> int:
     """Bytes from '512MiB', '2G', '1.5GB' or a plain number."""
     units = {
         "k": 1e3,
@@ -81,8 +81,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
     )
     g.add_argument(
         "--kv-cache-memory",
-        type=_size,
-        default=e("--kv-cache-memory", None, _size),
+        type=parse_size,
+        default=e("--kv-cache-memory", None, parse_size),
         help="bytes for the KV pool, e.g. 2GiB (default: derived from free memory)",
     )
     g = parser.add_argument_group("scheduling")

@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from kvserve.cli import _size, add_engine_arguments, engine_config_from_args
+from kvserve.cli import add_engine_arguments, engine_config_from_args, parse_size
 from kvserve.config import ServerConfig, env_default
 
 if TYPE_CHECKING:  # the engine imports torch; `kvserve serve --help` should not
@@ -43,8 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-body-bytes",
-        type=_size,
-        default=e("--max-body-bytes", defaults.max_body_bytes, _size),
+        type=parse_size,
+        default=e("--max-body-bytes", defaults.max_body_bytes, parse_size),
         help="largest request body accepted, e.g. 8MiB (larger: 413)",
     )
     g.add_argument(
