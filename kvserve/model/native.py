@@ -23,7 +23,9 @@ import torch
 
 log = logging.getLogger("kvserve.model")
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.c", "layer_ops.c")]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "paged_attention.c", CSRC / "layer_ops.c"]
+HEADER = CSRC / "common.h"
 # -fno-math-errno / -fno-trapping-math (not -ffast-math: no reassociation, NaN and infinity keep
 # their meaning) let loops with floorf and comparisons vectorize.
 FLAGS = [
@@ -65,7 +67,7 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: CPU attention uses the slower pure-torch path")
         return None
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in [*SOURCES, HEADER])
     digest = hashlib.sha256(
         source + " ".join(FLAGS).encode() + _cpu_key().encode() + platform.machine().encode()
     ).hexdigest()[:16]

@@ -10,28 +10,9 @@
  * (float32 or bfloat16, chosen by the `_f32` / `_bf16` entry points). Rows run in parallel with
  * OpenMP when there are enough of them to pay for it.
  */
-#include <math.h>
-#include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even; a NaN keeps a mantissa bit so it cannot round to infinity. Written
- * without branches so loops around it vectorize. */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    __builtin_memcpy(&bits, &f, sizeof bits);
-    const uint32_t nan = (bits & 0x7fffffffu) > 0x7f800000u;
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    return (uint16_t)(nan ? ((bits >> 16) | 0x40u) : rounded);
-}
-
-static inline float float_identity(float f) { return f; }
+#include "common.h"
 
 #define DEFINE_ADD_RMSNORM(NAME, T, LOAD, STORE)                                                   \
     void NAME(float *x, const T *delta, const float *weight, T *out, int64_t rows,                \
@@ -60,23 +41,6 @@ static inline float float_identity(float f) { return f; }
 DEFINE_ADD_RMSNORM(kvserve_add_rmsnorm_f32, float, float_identity, float_identity)
 DEFINE_ADD_RMSNORM(kvserve_add_rmsnorm_bf16, uint16_t, bf16_to_float, float_to_bf16)
 
-/* Logistic sigmoid with the same range reduction as the attention kernel's exp. */
-static inline float fast_exp(float x) {
-    x = x < -87.3f ? -87.3f : (x > 88.0f ? 88.0f : x);
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return y * scale.f;
-}
-
 #define DEFINE_SILU_MUL(NAME, T, LOAD, STORE)                                                      \
     void NAME(const T *gate_up, T *out, int64_t rows, int64_t width, int num_threads) {           \
         _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")                              \
@@ -85,7 +49,7 @@ static inline float fast_exp(float x) {
             T *orow = out + r * width;                                                            \
             _Pragma("omp simd") for (int64_t i = 0; i < width; i++) {                             \
                 const float g = LOAD(gate[i]);                                                    \
-                orow[i] = STORE(g / (1.f + fast_exp(-g)) * LOAD(up[i]));                          \
+                orow[i] = STORE(g / (1.f + exp_approx(-g)) * LOAD(up[i]));                          \
             }                                                                                     \
         }                                                                                         \
     }

@@ -10,50 +10,12 @@
  * Compiled at first use with the system C compiler (-O3 -march=native -fopenmp). libgomp is
  * resolved by soname, so the process's already-loaded OpenMP runtime (torch's) is the one used.
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"
+
 #define MAX_GROUP 16
-
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even; a NaN keeps a mantissa bit so it cannot round to infinity. Written
- * without branches so loops around it vectorize. */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    __builtin_memcpy(&bits, &f, sizeof bits);
-    const uint32_t nan = (bits & 0x7fffffffu) > 0x7f800000u;
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    return (uint16_t)(nan ? ((bits >> 16) | 0x40u) : rounded);
-}
-
-static inline float float_identity(float f) { return f; }
-
-/* exp(x) for the softmax (x <= 0 after subtracting the row maximum), Cephes' expf polynomial:
- * within about one ulp of expf, written with plain float ops so the loop around it vectorizes
- * (a libm call per element cost more than the rest of the kernel). */
-static inline float softmax_exp(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return y * scale.f;
-}
 
 /* One (sequence, KV head) task, head_dim fixed at compile time so the inner loops vectorize. */
 #define DEFINE_TASK(NAME, T, LOAD, STORE, HD)                                                       \
@@ -86,7 +48,7 @@ static inline float softmax_exp(float x) {
             _Pragma("omp simd reduction(max : top)") for (int64_t j = 0; j < length; j++) top =   \
                 s[j] > top ? s[j] : top;                                                          \
             _Pragma("omp simd reduction(+ : total)") for (int64_t j = 0; j < length; j++) {       \
-                s[j] = softmax_exp(s[j] - top);                                                   \
+                s[j] = exp_approx(s[j] - top);                                                   \
                 total += s[j];                                                                    \
             }                                                                                     \
             const float inv = 1.f / total;                                                        \

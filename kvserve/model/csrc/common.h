@@ -1,0 +1,49 @@
+/*
+ * Helpers shared by the CPU kernels: bf16 <-> float conversion and a vectorizable exp.
+ * Everything is static inline and branch-free so the loops that call it vectorize
+ * (with -fno-math-errno -fno-trapping-math, see kvserve/model/native.py).
+ */
+#ifndef KVSERVE_COMMON_H
+#define KVSERVE_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even; a NaN keeps a mantissa bit so it cannot round to infinity. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &f, sizeof bits);
+    const uint32_t nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (uint16_t)(nan ? ((bits >> 16) | 0x40u) : rounded);
+}
+
+static inline float float_identity(float f) { return f; }
+
+/* exp(x), Cephes' expf polynomial after range reduction: within about one ulp of expf for
+ * x in [-87, 88] (clamped outside), and it vectorizes where a libm call would not. */
+static inline float exp_approx(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.0f ? 88.0f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const int32_t exponent = ((int32_t)n + 127) << 23;
+    float scale;
+    __builtin_memcpy(&scale, &exponent, sizeof scale);
+    return y * scale;
+}
+
+#endif
