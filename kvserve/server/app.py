@@ -51,6 +51,7 @@ from kvserve.server.protocol import (
     CompletionRenderer,
     CompletionRequest,
     DetokenizeRequest,
+    ModelT,
     TokenizeRequest,
     dumps,
     parse_request,
@@ -616,6 +617,16 @@ def create_app(
     def exchange_of(request: Request) -> Exchange:
         return request.scope["state"]["exchange"]
 
+    async def accept(request: Request, model: type[ModelT]) -> tuple[Exchange, Engine, ModelT]:
+        """The common start of every API handler: a loaded engine, a valid body for a served
+        model, its harmless unknown fields recorded."""
+        exchange = exchange_of(request)
+        engine = state.require_engine()
+        body = parse_request(model, await request.body())
+        state.check_model(body.model)
+        state.accept_extras(body, exchange)
+        return exchange, engine, body
+
     @app.get("/health")
     async def health() -> Response:
         # Liveness: the process answers; an engine that died after loading is not alive.
@@ -651,11 +662,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        exchange = exchange_of(request)
-        engine = state.require_engine()
-        body = parse_request(ChatCompletionRequest, await request.body())
-        state.check_model(body.model)
-        state.accept_extras(body, exchange)
+        exchange, engine, body = await accept(request, ChatCompletionRequest)
         if not body.messages:
             raise APIError(400, "'messages' must hold at least one message", param="messages")
         template_kwargs = dict(body.chat_template_kwargs or {})
@@ -687,11 +694,7 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        exchange = exchange_of(request)
-        engine = state.require_engine()
-        body = parse_request(CompletionRequest, await request.body())
-        state.check_model(body.model)
-        state.accept_extras(body, exchange)
+        exchange, engine, body = await accept(request, CompletionRequest)
         params = sampling_params(body, engine.model_config.vocab_size)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -717,11 +720,7 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        exchange = exchange_of(request)
-        engine = state.require_engine()
-        body = parse_request(TokenizeRequest, await request.body())
-        state.check_model(body.model)
-        state.accept_extras(body, exchange)
+        exchange, engine, body = await accept(request, TokenizeRequest)
         tokenizer = engine.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
@@ -743,11 +742,7 @@ def create_app(
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        exchange = exchange_of(request)
-        engine = state.require_engine()
-        body = parse_request(DetokenizeRequest, await request.body())
-        state.check_model(body.model)
-        state.accept_extras(body, exchange)
+        exchange, engine, body = await accept(request, DetokenizeRequest)
         tokenizer = engine.tokenizer
         vocab = tokenizer.vocab_size
         for index, token_id in enumerate(body.tokens):
