@@ -17,8 +17,70 @@
 
 #define MAX_GROUP 16
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
+
+/* Scores of `group` bf16 query rows against `n` bf16 key rows of one block, with the CPU's
+ * bf16 dot-product instruction: products are exact in float32 and summed in float32, as the
+ * generic path does after converting, but without the conversion. HD is 64 or 128. */
+static inline void bf16_block_scores(const void *q_rows, int64_t group, const void *keys,
+                                     int64_t n, int hd, float scale, float *scores,
+                                     int64_t stride) {
+    const uint16_t *q = (const uint16_t *)q_rows, *k = (const uint16_t *)keys;
+    for (int64_t o = 0; o < n; o++) {
+        const uint16_t *row = k + o * hd;
+        for (int64_t g = 0; g < group; g++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int d = 0; d < hd; d += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + d),
+                                       (__m512bh)_mm512_loadu_si512(q + g * hd + d));
+            scores[g * stride + o] = _mm512_reduce_add_ps(acc) * scale;
+        }
+    }
+}
+
+/* acc[g][0:64] += sum_o p[g][o] * v[o][0:64] for up to 4 query heads, the accumulators held in
+ * registers for the whole block; each value row is converted to float once. Returns 0 when the
+ * shape is not one it handles (the caller then takes the generic loop). */
+static inline int bf16_block_values(const float *probs, int64_t group, const void *values,
+                                    int64_t n, int hd, float *acc, int64_t stride) {
+    if (hd != 64 || group > 4) return 0;
+    const uint16_t *v = (const uint16_t *)values;
+    __m512 a[4][4];
+    for (int64_t g = 0; g < group; g++)
+        for (int c = 0; c < 4; c++) a[g][c] = _mm512_loadu_ps(acc + g * 64 + c * 16);
+    for (int64_t o = 0; o < n; o++) {
+        __m512 row[4];
+        for (int c = 0; c < 4; c++)
+            row[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
+                (const __m256i *)(v + o * 64 + c * 16)));
+        for (int64_t g = 0; g < group; g++) {
+            const __m512 p = _mm512_set1_ps(probs[g * stride + o]);
+            for (int c = 0; c < 4; c++) a[g][c] = _mm512_fmadd_ps(p, row[c], a[g][c]);
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, a[g][c]);
+    return 1;
+}
+#else
+#define HAVE_BF16_DOT 0
+static inline int bf16_block_values(const float *probs, int64_t group, const void *values,
+                                    int64_t n, int hd, float *acc, int64_t stride) {
+    (void)probs, (void)group, (void)values, (void)n, (void)hd, (void)acc, (void)stride;
+    return 0;
+}
+static inline void bf16_block_scores(const void *q_rows, int64_t group, const void *keys,
+                                     int64_t n, int hd, float scale, float *scores,
+                                     int64_t stride) {
+    (void)q_rows, (void)group, (void)keys, (void)n, (void)hd, (void)scale, (void)scores,
+        (void)stride;
+}
+#endif
+
 /* One (sequence, KV head) task, head_dim fixed at compile time so the inner loops vectorize. */
-#define DEFINE_TASK(NAME, T, LOAD, STORE, HD)                                                       \
+#define DEFINE_TASK(NAME, T, LOAD, STORE, HD, BF16_DOT)                                             \
     static void NAME(const T *q, T *out, const T *k_head, const T *v_head, const int64_t *table,   \
                      int64_t length, int64_t group, int64_t block_size, float scale,              \
                      float *scores) {                                                             \
@@ -32,6 +94,10 @@
             const T *base = k_head + table[b] * block_size * HD;                                  \
             const int64_t n = length - b * block_size < block_size ? length - b * block_size      \
                                                                    : block_size;                  \
+            if (BF16_DOT) {                                                                       \
+                bf16_block_scores(q, group, base, n, HD, scale, scores + b * block_size, length); \
+                continue;                                                                         \
+            }                                                                                     \
             for (int64_t o = 0; o < n; o++) {                                                     \
                 const T *k = base + o * HD;                                                       \
                 _Pragma("omp simd") for (int d = 0; d < HD; d++) row[d] = LOAD(k[d]);             \
@@ -58,6 +124,9 @@
             const T *base = v_head + table[b] * block_size * HD;                                  \
             const int64_t n = length - b * block_size < block_size ? length - b * block_size      \
                                                                    : block_size;                  \
+            if (BF16_DOT && bf16_block_values(scores + b * block_size, group, base, n, HD,         \
+                                              &acc[0][0], length))                                \
+                continue;                                                                         \
             for (int64_t o = 0; o < n; o++) {                                                     \
                 const T *v = base + o * HD;                                                       \
                 _Pragma("omp simd") for (int d = 0; d < HD; d++) row[d] = LOAD(v[d]);             \
@@ -71,10 +140,10 @@
             for (int d = 0; d < HD; d++) out[g * HD + d] = STORE(acc[g][d]);                      \
     }
 
-DEFINE_TASK(task_f32_64, float, float_identity, float_identity, 64)
-DEFINE_TASK(task_f32_128, float, float_identity, float_identity, 128)
-DEFINE_TASK(task_bf16_64, uint16_t, bf16_to_float, float_to_bf16, 64)
-DEFINE_TASK(task_bf16_128, uint16_t, bf16_to_float, float_to_bf16, 128)
+DEFINE_TASK(task_f32_64, float, float_identity, float_identity, 64, 0)
+DEFINE_TASK(task_f32_128, float, float_identity, float_identity, 128, 0)
+DEFINE_TASK(task_bf16_64, uint16_t, bf16_to_float, float_to_bf16, 64, HAVE_BF16_DOT)
+DEFINE_TASK(task_bf16_128, uint16_t, bf16_to_float, float_to_bf16, 128, HAVE_BF16_DOT)
 
 #define DEFINE_ENTRY(NAME, T, TASK64, TASK128)                                                      \
     int NAME(const T *q, int64_t q_row_stride, const T *kv, const int64_t *block_tables,          \
