@@ -74,7 +74,7 @@ class Batch:
         if plan.num_rows == 0:
             return StepOutput({}, 0)
         token_ids, sampling_ids, rows = self.inputs(plan, sequences)
-        meta = build_metadata(plan.chunks, self.block_size, self.device)
+        meta = build_metadata(plan.chunks, self.block_size, self.device, native=self.model.native)
         logits = self.model.forward(token_ids, meta, self.kv_cache)
         result = self.sampler.sample(logits, rows)
         sampled = {

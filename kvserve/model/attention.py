@@ -6,7 +6,9 @@ into the paged cache at its slot; then each row attends to its own sequence's po
 `0 .. its position`, read back through the sequence's block table. Sequences never see each other:
 masks and block tables are per sequence.
 
-Two paths, chosen per chunk:
+On the CPU (fp32/bf16) a C kernel handles every row alike, reading K/V straight out of the
+cache through the row's block table; causality is each row's length. Elsewhere (CUDA, or when
+the kernel cannot be built) torch ops do it, two ways:
 - single-row chunks (decode) are batched into one attention call over block tables padded to the
   longest context, with a mask for each row's length;
 - multi-row chunks (prefill) run one call each: a first chunk (start 0) attends causally to its own
@@ -55,13 +57,24 @@ class AttentionMetadata:
     decode_lengths: torch.Tensor | None  # [decode rows] long: positions each row attends to
     decode_mask: torch.Tensor | None  # [decode rows, 1, max blocks * block_size] bool
     logits_indices: torch.Tensor  # [sampling chunks] long: the last row of each sampling chunk
+    # For the C kernel, which handles every row alike (see kvserve/model/native.py):
+    chunk_tables: torch.Tensor  # [chunks, max blocks] long: each chunk's block table, padded
+    row_tables: torch.Tensor  # [rows] long: the chunk (table) of each row
+    row_lengths: torch.Tensor  # [rows] long: positions each row attends to (its position + 1)
+    torch_path: bool = True  # whether the fields the torch path needs were built
 
 
 def build_metadata(
-    chunks: Sequence[ChunkLike], block_size: int, device: torch.device
+    chunks: Sequence[ChunkLike], block_size: int, device: torch.device, *, native: bool = False
 ) -> AttentionMetadata:
-    """Turn a step's chunks (in row order) into index tensors for the forward pass."""
+    """Turn a step's chunks (in row order) into index tensors for the forward pass.
+
+    With `native`, only what the C kernel reads is built (no per-chunk masks or padded decode
+    tables); the model must then take the native path.
+    """
     slots: list[int] = []
+    row_tables: list[int] = []
+    chunk_tables: list[Sequence[int]] = []
     positions: list[int] = []
     segments: list[PrefillSegment] = []
     decode_row_ids: list[int] = []
@@ -69,7 +82,7 @@ def build_metadata(
     decode_lengths: list[int] = []
     logits_rows: list[int] = []
     row = 0
-    for chunk in chunks:
+    for index, chunk in enumerate(chunks):
         n, start, table = chunk.num_tokens, chunk.start, chunk.block_ids
         end = start + n
         if len(table) * block_size < end:
@@ -77,28 +90,32 @@ def build_metadata(
         for pos in range(start, end):
             slots.append(table[pos // block_size] * block_size + pos % block_size)
         positions.extend(range(start, end))
+        row_tables.extend([index] * n)
+        chunk_tables.append(table[: (end + block_size - 1) // block_size])
+        if chunk.samples:
+            logits_rows.append(row + n - 1)
+        row += n
+        if native:
+            continue
         if n == 1:
-            decode_row_ids.append(row)
+            decode_row_ids.append(row - 1)
             decode_tables.append(table[: (end + block_size - 1) // block_size])
             decode_lengths.append(end)
         elif start == 0:
-            segments.append(PrefillSegment(row, n, 0, None, None))
+            segments.append(PrefillSegment(row - n, n, 0, None, None))
         else:
             used = table[: (end + block_size - 1) // block_size]
             # row i (position start+i) sees cache positions j <= start + i
             mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start)
             segments.append(
                 PrefillSegment(
-                    row,
+                    row - n,
                     n,
                     start,
                     torch.tensor(used, dtype=torch.long).to(device, non_blocking=True),
                     mask.to(device, non_blocking=True),
                 )
             )
-        if chunk.samples:
-            logits_rows.append(row + n - 1)
-        row += n
 
     decode_rows: slice | torch.Tensor | None = None
     decode_block_tables = decode_lengths_t = decode_mask = None
@@ -116,16 +133,23 @@ def build_metadata(
         span = torch.arange(width * block_size)
         # decode_mask: [D, 1, L] True where the position exists in that row's sequence
         decode_mask = (span[None, :] < lengths[:, None])[:, None, :].to(device, non_blocking=True)
+    width = max((len(t) for t in chunk_tables), default=1)
+    padded_tables = [list(t) + [0] * (width - len(t)) for t in chunk_tables]
+    positions_t = torch.tensor(positions, dtype=torch.long)
     return AttentionMetadata(
         num_rows=row,
         slot_mapping=torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
-        positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
+        positions=positions_t.to(device, non_blocking=True),
         segments=segments,
         decode_rows=decode_rows,
         decode_block_tables=decode_block_tables,
         decode_lengths=decode_lengths_t,
         decode_mask=decode_mask,
         logits_indices=torch.tensor(logits_rows, dtype=torch.long).to(device, non_blocking=True),
+        chunk_tables=torch.tensor(padded_tables, dtype=torch.long).to(device, non_blocking=True),
+        row_tables=torch.tensor(row_tables, dtype=torch.long).to(device, non_blocking=True),
+        row_lengths=(positions_t + 1).to(device, non_blocking=True),
+        torch_path=not native,
     )
 
 
@@ -144,7 +168,7 @@ def paged_attention(
 
     q: [rows, heads, head_dim]; k, v: [rows, kv_heads, head_dim];
     kv_layer: [2, kv_heads, num_blocks, block_size, head_dim] (this layer's cache).
-    `native` selects the C decode kernel (CPU, fp32/bf16) for single-row chunks.
+    `native` selects the C kernel (CPU, fp32/bf16) for every row.
     """
     rows, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -157,6 +181,15 @@ def paged_attention(
         flat[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
     out = torch.empty(rows, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if native:
+        from kvserve.model import native as kernels
+
+        kernels.paged_attention(
+            q, kv_layer, meta.chunk_tables, meta.row_lengths, out, scale, meta.row_tables
+        )
+        return out.view(rows, num_heads * head_dim)
+    if not meta.torch_path:
+        raise ValueError("metadata was built for the native kernel only")
     for seg in meta.segments:
         rows_of = slice(seg.row_start, seg.row_start + seg.num_rows)
         # SDPA's fused CPU kernel wants 4-D [batch, heads, n, head_dim]; 3-D falls back to
@@ -178,19 +211,7 @@ def paged_attention(
 
     if meta.decode_rows is not None:
         rows_of = meta.decode_rows
-        if native and isinstance(rows_of, slice):
-            from kvserve.model import native as kernels
-
-            kernels.paged_decode(
-                q[rows_of],
-                kv_layer,
-                meta.decode_block_tables,
-                meta.decode_lengths,
-                out[rows_of],
-                scale,
-            )
-        else:
-            out[rows_of] = _decode_torch(q[rows_of], kv_layer, meta, scale, group)
+        out[rows_of] = _decode_torch(q[rows_of], kv_layer, meta, scale, group)
     return out.view(rows, num_heads * head_dim)
 
 

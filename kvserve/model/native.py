@@ -95,6 +95,7 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_void_p,  # kv
         ctypes.c_void_p,  # block_tables
         ctypes.c_int64,  # table_width
+        ctypes.c_void_p,  # row_tables (nullable)
         ctypes.c_void_p,  # lengths
         ctypes.c_void_p,  # out
         ctypes.c_int64,  # out_row_stride
@@ -142,23 +143,25 @@ def supports(
     )
 
 
-def paged_decode(
+def paged_attention(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
     block_tables: torch.Tensor,
     lengths: torch.Tensor,
     out: torch.Tensor,
     scale: float,
+    row_tables: torch.Tensor | None = None,
 ) -> None:
-    """out[i] = attention of q[i] over positions 0..lengths[i]-1 of sequence i.
+    """out[i] = attention of q[i] over positions 0..lengths[i]-1 of row i's sequence, whose
+    block table is `block_tables[row_tables[i]]` (or `block_tables[i]` without `row_tables`).
 
-    q: [seqs, heads, head_dim] (rows may be strided, heads and head_dim contiguous);
+    q: [rows, heads, head_dim] (rows may be strided, heads and head_dim contiguous);
     kv_layer: [2, kv_heads, num_blocks, block_size, head_dim] contiguous;
-    block_tables: [seqs, width] int64 contiguous; lengths: [seqs] int64;
-    out: [seqs, heads, head_dim] with contiguous heads and head_dim.
+    block_tables: [tables, width] int64 contiguous; lengths, row_tables: [rows] int64;
+    out: [rows, heads, head_dim] with contiguous heads and head_dim.
     """
     lib = library()
-    num_seqs, num_heads, head_dim = q.shape
+    num_rows, num_heads, head_dim = q.shape
     _, num_kv_heads, num_blocks, block_size, _ = kv_layer.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim
     assert out.stride(2) == 1 and out.stride(1) == head_dim
@@ -169,10 +172,11 @@ def paged_decode(
         kv_layer.data_ptr(),
         block_tables.data_ptr(),
         block_tables.shape[1],
+        None if row_tables is None else row_tables.data_ptr(),
         lengths.data_ptr(),
         out.data_ptr(),
         out.stride(0),
-        num_seqs,
+        num_rows,
         num_heads,
         num_kv_heads,
         head_dim,
@@ -183,8 +187,8 @@ def paged_decode(
     )
     if status != 0:
         raise ValueError(
-            f"paged decode kernel refused shapes: {num_heads} heads / {num_kv_heads} KV heads, "
-            f"head_dim {head_dim}"
+            f"paged attention kernel refused shapes: {num_heads} heads / {num_kv_heads} KV "
+            f"heads, head_dim {head_dim}"
         )
 
 

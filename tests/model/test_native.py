@@ -86,7 +86,7 @@ def test_paged_decode_matches_sdpa(dtype, head_dim):
     tables = torch.tensor([[3, 0, 0], [7, 1, 0], [2, 9, 4], [11, 5, 6]])
     q = torch.randn(4, heads, head_dim, generator=gen(6)).to(dtype)
     out = torch.empty_like(q)
-    native.paged_decode(q, kv, tables, lengths, out, head_dim**-0.5)
+    native.paged_attention(q, kv, tables, lengths, out, head_dim**-0.5)
     for i in range(4):
         n = int(lengths[i])
         keys = kv[:, :, tables[i]].flatten(2, 3)[:, :, :n].float()  # [2, kv_heads, n, d]
@@ -121,3 +121,34 @@ def test_fused_forward_matches_plain_forward(loaded_fp32, loaded_default, dtype)
         else:  # bf16 rounds at different points; the prediction is what must agree
             assert (a - b).abs().max() <= 1.0
             assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+
+
+def test_native_attention_matches_torch_attention_in_prefill_and_decode(loaded_fp32):
+    """The C kernel (every row, causality by length) against torch SDPA (segments + padded
+    decode), across a step that mixes a fresh prefill, a continued prefill and decode rows."""
+    model = loaded_fp32.model
+    tok = loaded_fp32.tokenizer
+    a = tok.encode("Attention reads each sequence through its own block table, nothing else.")
+    b = tok.encode("A second sequence continues its prompt in the middle of a chunk here.")
+    c = tok.encode("The third one is decoding.")
+
+    def run(native: bool):
+        saved = model.native
+        model.native = native
+        try:
+            cache = KVCache(model.config, 16, 32, model.dtype, CPU)
+            first = [Chunk(0, 10, [7, 1], False), Chunk(0, len(c) - 1, [3], False)]
+            model.forward(
+                torch.tensor(b[:10] + c[:-1]), build_metadata(first, 32, CPU, native=native), cache
+            )
+            chunks = [
+                Chunk(0, len(a), [9, 12], True),
+                Chunk(10, len(b) - 10, [7, 1], True),
+                Chunk(len(c) - 1, 1, [3], True),
+            ]
+            meta = build_metadata(chunks, 32, CPU, native=native)
+            return model.forward(torch.tensor(a + b[10:] + c[-1:]), meta, cache)
+        finally:
+            model.native = saved
+
+    assert (run(True) - run(False)).abs().max() <= 1e-4

@@ -1,6 +1,9 @@
 /*
- * Paged decode attention on the CPU: one query row per sequence, reading K/V straight out of
- * the paged cache through each sequence's block table (no gather copy).
+ * Paged attention on the CPU, one query row at a time, reading K/V straight out of the paged
+ * cache through the row's block table (no gather copy). A row attends to positions
+ * 0 .. length-1 of its sequence: a decode row is one sequence's newest position; the rows of a
+ * prefill chunk are several rows sharing one table (`row_tables` maps a row to its table) with
+ * lengths start+1, start+2, ... so causality is just each row's length.
  *
  * Cache layout of one layer: [2][kv_heads][num_blocks][block_size][head_dim] (K then V), so the
  * positions of one head inside a block are contiguous. The `group` query heads that share a KV
@@ -147,7 +150,8 @@ DEFINE_TASK(task_bf16_128, uint16_t, bf16_to_float, float_to_bf16, 128, HAVE_BF1
 
 #define DEFINE_ENTRY(NAME, T, TASK64, TASK128)                                                      \
     int NAME(const T *q, int64_t q_row_stride, const T *kv, const int64_t *block_tables,          \
-             int64_t table_width, const int64_t *lengths, T *out, int64_t out_row_stride,         \
+             int64_t table_width, const int64_t *row_tables, const int64_t *lengths, T *out,      \
+             int64_t out_row_stride,                                                              \
              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,         \
              int64_t num_blocks, int64_t block_size, float scale, int num_threads) {              \
         const int64_t group = num_heads / num_kv_heads;                                           \
@@ -168,7 +172,8 @@ DEFINE_TASK(task_bf16_128, uint16_t, bf16_to_float, float_to_bf16, 128, HAVE_BF1
                 }                                                                                 \
                 const T *qrow = q + seq * q_row_stride + h * group * head_dim;                    \
                 T *orow = out + seq * out_row_stride + h * group * head_dim;                       \
-                const int64_t *table = block_tables + seq * table_width;                          \
+                const int64_t *table =                                                            \
+                    block_tables + (row_tables ? row_tables[seq] : seq) * table_width;            \
                 if (head_dim == 64)                                                               \
                     TASK64(qrow, orow, k_base + h * head_stride, v_base + h * head_stride, table, \
                            length, group, block_size, scale, scores);                             \
