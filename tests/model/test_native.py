@@ -96,6 +96,39 @@ def test_paged_decode_matches_sdpa(dtype, head_dim):
         assert (out[i].float() - expect).abs().max() <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_rows_share_a_table_and_are_causal_by_length(dtype):
+    """Rows of a prefill chunk (one table, lengths start+1, start+2, ...) next to a decode row
+    of another sequence: each row equals causal attention over its own sequence."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 32
+    kv = torch.randn(2, kv_heads, 10, block_size, head_dim, generator=gen(7)).to(dtype)
+    tables = torch.tensor([[4, 8, 1], [6, 0, 0]])
+    start, n = 20, 50  # prefill rows at positions 20..69 of sequence 0
+    lengths = torch.cat([torch.arange(start + 1, start + n + 1), torch.tensor([9])])
+    row_tables = torch.tensor([0] * n + [1])
+    q = torch.randn(n + 1, heads, head_dim, generator=gen(8)).to(dtype)
+    out = torch.empty_like(q)
+    native.paged_attention(q, kv, tables, lengths, out, 0.125, row_tables)
+    keys = kv[:, :, tables[0]].flatten(2, 3)[:, :, : start + n].float()
+    mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+    expect = F.scaled_dot_product_attention(
+        q[:n].float().transpose(0, 1),
+        keys[0].repeat_interleave(3, 0),
+        keys[1].repeat_interleave(3, 0),
+        attn_mask=mask,
+        scale=0.125,
+    ).transpose(0, 1)
+    assert (out[:n].float() - expect).abs().max() <= TOLERANCE[dtype]
+    other = kv[:, :, tables[1]].flatten(2, 3)[:, :, :9].float()
+    expect_last = F.scaled_dot_product_attention(
+        q[n].float()[:, None],
+        other[0].repeat_interleave(3, 0),
+        other[1].repeat_interleave(3, 0),
+        scale=0.125,
+    )[:, 0]
+    assert (out[n].float() - expect_last).abs().max() <= TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_forward_matches_plain_forward(loaded_fp32, loaded_default, dtype):
     loaded = loaded_fp32 if dtype == "float32" else loaded_default
