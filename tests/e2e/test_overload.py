@@ -38,6 +38,8 @@ async def _one(client: httpx.AsyncClient, index: int) -> dict:
         "ignore_eos": True,
         "stream": stream,
     }
+    if stream:
+        payload["stream_options"] = {"include_usage": True}
     async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
         body = await response.aread()
     return {
@@ -58,8 +60,12 @@ def _completion_tokens(result: dict) -> int:
     ]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    return sum(1 for c in chunks if c["choices"][0]["delta"].get("content") is not None) - 1
+    # The last content chunk carries the finish reason; the usage chunk follows it. (Counting
+    # content chunks would undercount: a token that ends inside a UTF-8 character, or text held
+    # back for a possible stop string, sends no chunk of its own.)
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == []
+    return chunks[-1]["usage"]["completion_tokens"]
 
 
 def test_burst_gets_429_for_the_excess_and_completes_the_rest(server, gate_factory, metrics, until):
