@@ -110,9 +110,12 @@ async def drive(engine: Engine, tokenizer, index: int, spec: dict) -> dict:
     return {"outcome": "streamed", "deltas": deltas, "prompt": req.prompt_token_ids}
 
 
+# Derandomized: CI explores the same 25 interleavings every run, so a failure reproduces
+# (turn derandomize off to explore others).
 @settings(
     max_examples=25,
     deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(specs=st.lists(request_specs, min_size=1, max_size=6))
