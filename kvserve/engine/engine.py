@@ -60,7 +60,9 @@ class EngineObserver:
 
     def on_admitted(self, state: RequestState) -> None: ...
 
-    def on_token(self, state: RequestState, now: float) -> None: ...
+    def on_token(self, state: RequestState, now: float) -> None:
+        """A token arrived at `now`; `state.last_token_at` is still the previous one's time
+        (None for the first token)."""
 
     def on_finished(self, state: RequestState) -> None: ...
 
@@ -423,10 +425,10 @@ class Engine:
             token = sampled.token_id
             state.output_token_ids.append(token)
             state.all_token_ids.append(token)
+            self.observer.on_token(state, now)  # sees the previous token's time, if any
             if state.first_token_at is None:
                 state.first_token_at = now
             state.last_token_at = now
-            self.observer.on_token(state, now)
             logprobs = ()
             if sampled.logprob is not None:
                 logprobs = (

@@ -70,7 +70,6 @@ class Stream:
         self._final: Delta | None = None
         self._wakeup = asyncio.Event()
         self._admission: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.num_delivered = 0
 
     # -- engine side ---------------------------------------------------------------------------
 
@@ -101,14 +100,6 @@ class Stream:
         if not self._admission.done():
             self._admission.set_result(None)
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._items)
-
-    @property
-    def is_finished(self) -> bool:
-        return self._final is not None
-
     # -- consumer side -------------------------------------------------------------------------
 
     async def admitted(self) -> None:
@@ -120,7 +111,6 @@ class Stream:
     async def __anext__(self) -> Delta:
         while True:
             if self._items:
-                self.num_delivered += 1
                 return self._items.popleft()
             if self._final is not None:
                 final, self._final = self._final, _DONE
@@ -134,7 +124,6 @@ class Stream:
         """Every delta available now without waiting (lets a writer batch its output)."""
         out = list(self._items)
         self._items.clear()
-        self.num_delivered += len(out)
         if self._final is not None and self._final is not _DONE:
             out.append(self._final)
             self._final = _DONE

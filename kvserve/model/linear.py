@@ -63,7 +63,3 @@ class Linear:
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-    @property
-    def is_packed(self) -> bool:
-        return self._packed is not None

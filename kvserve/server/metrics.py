@@ -145,7 +145,6 @@ class ServerMetrics(EngineObserver):
             registry=r,
         )
         self._field_labels: set[str] = set()
-        self._last_token_at: dict[str, float] = {}
 
     def _reader(self, read):
         def value() -> float:
@@ -166,17 +165,13 @@ class ServerMetrics(EngineObserver):
         self.prompt_tokens.inc(state.num_prompt_tokens)
 
     def on_token(self, state: RequestState, now: float) -> None:
-        request_id = state.request_id
-        last = self._last_token_at.get(request_id)
-        if last is None:
+        if state.last_token_at is None:
             self.time_to_first_token.observe(now - state.request.arrival_time)
         else:
-            self.inter_token_latency.observe(now - last)
-        self._last_token_at[request_id] = now
+            self.inter_token_latency.observe(now - state.last_token_at)
         self.generation_tokens.inc()
 
     def on_finished(self, state: RequestState) -> None:
-        self._last_token_at.pop(state.request_id, None)
         if state.finished_at is not None:
             self.e2e_request_latency.observe(state.finished_at - state.request.arrival_time)
         self.request_success.labels(state.finish_reason or "unknown").inc()

@@ -515,6 +515,21 @@ class _Renderer:
         """The extra chunk of `stream_options.include_usage`: no choices, the usage."""
         return self._chunk([], usage)
 
+    def delta_chunk(
+        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
+    ) -> str | None:
+        """The chunk for one delta; None when it carries nothing a client could see."""
+        wanted = logprobs if self.want_logprobs else ()
+        if not text and not wanted and finish_reason is None:
+            return None
+        return self._chunk([self._choice(text, wanted, finish_reason)])
+
+    def _choice(
+        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
+    ) -> dict[str, Any]:
+        """The one choice of a delta chunk (`logprobs` empty when none are to be sent)."""
+        raise NotImplementedError
+
     def add(self, text: str, logprobs: Sequence[TokenLogprob]) -> None:
         """Accumulate a delta for the non-streaming response."""
         if text:
@@ -541,22 +556,17 @@ class ChatRenderer(_Renderer):
         }
         return [self._chunk([choice])]
 
-    def delta_chunk(
+    def _choice(
         self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
-    ) -> str | None:
-        """The chunk for one delta; None when it carries nothing a client could see."""
-        has_logprobs = self.want_logprobs and bool(logprobs)
-        if not text and not has_logprobs and finish_reason is None:
-            return None
-        choice = {
+    ) -> dict[str, Any]:
+        return {
             "index": 0,
             "delta": {"content": text} if text or finish_reason is None else {},
-            "logprobs": (
-                {"content": chat_logprobs(logprobs, self.token_bytes)} if has_logprobs else None
-            ),
+            "logprobs": {"content": chat_logprobs(logprobs, self.token_bytes)}
+            if logprobs
+            else None,
             "finish_reason": finish_reason,
         }
-        return self._chunk([choice])
 
     def response(self, finish_reason: str, usage: Usage) -> dict[str, Any]:
         return {
@@ -589,20 +599,15 @@ class CompletionRenderer(_Renderer):
         super().__init__(*args, **kwargs)
         self._text_offset = 0
 
-    def delta_chunk(
+    def _choice(
         self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
-    ) -> str | None:
-        """The chunk for one delta; None when it carries nothing a client could see."""
-        has_logprobs = self.want_logprobs and bool(logprobs)
-        if not text and not has_logprobs and finish_reason is None:
-            return None
+    ) -> dict[str, Any]:
         rendered = None
-        if has_logprobs:
+        if logprobs:
             rendered, self._text_offset = completion_logprobs(
                 logprobs, self.token_bytes, self._text_offset
             )
-        choice = {"index": 0, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
-        return self._chunk([choice])
+        return {"index": 0, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
 
     def response(self, finish_reason: str, usage: Usage) -> dict[str, Any]:
         logprobs = None
