@@ -28,6 +28,9 @@ def env_default(flag: str, default, cast=str):
     return cast(raw)
 
 
+QUANTIZATIONS = ("none", "int8")
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceConfig:
     """Where and in what precision the model runs."""
@@ -35,6 +38,13 @@ class DeviceConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
     num_threads: int | None = None  # torch intra-op threads on CPU; None = number of cores
+    quantization: str = "none"  # "none" | "int8" (int8 linear layers, kvserve/model/quant.py)
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"unknown quantization {self.quantization!r} (use {' or '.join(QUANTIZATIONS)})"
+            )
 
 
 @dataclass(frozen=True, slots=True)

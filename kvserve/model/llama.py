@@ -17,6 +17,7 @@ from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.linear import Linear
+from kvserve.model.quant import Int8Weights, quantize_model
 
 # A loader hands tensors over by Hugging Face name, already in HF layout ([out, in], un-permuted).
 TensorSource = Callable[[str], torch.Tensor | None]
@@ -47,6 +48,7 @@ class LlamaModel:
         layers: list[LayerWeights],
         norm: torch.Tensor,
         lm_head: torch.Tensor,
+        quantization: str = "none",
     ) -> None:
         self.config = config
         self.embed = embed  # [vocab, hidden]
@@ -70,6 +72,26 @@ class LlamaModel:
         # The fused C layer ops (norms, RoPE + cache write, SiLU) — not for q/k-norm models.
         self.fused = self.native and not config.qk_norm
         self._build_rope_tables(config.max_position_embeddings)
+        self.quantization = quantization
+        self.int8: Int8Weights | None = None
+        if quantization == "int8":
+            self._quantize_int8()
+        elif quantization != "none":
+            raise ValueError(f"unknown quantization {quantization!r} (use none or int8)")
+
+    def _quantize_int8(self) -> None:
+        """Replace the linear layers by rotated int8 ones (kvserve/model/quant.py). The float
+        layer weights are dropped; embeddings and lm_head become their rotated copies."""
+        if not self.fused:
+            raise ValueError(
+                "--quantization int8 runs on the CPU kernels (needs a C compiler, a CPU device, "
+                "float32 or bfloat16, and a model without q/k norms)"
+            )
+        if not hasattr(torch, "_int_mm"):
+            raise ValueError("--quantization int8 needs torch._int_mm (torch >= 2.2)")
+        self.int8 = quantize_model(self.config, self.layers, self.norm, self.lm_head)
+        self.layers = []
+        self.projections = []
 
     # -- construction -------------------------------------------------------------------------
 
@@ -82,6 +104,7 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         progress: Callable[[int], None] | None = None,
+        quantization: str = "none",
     ) -> LlamaModel:
         """Build from tensors named as in Hugging Face checkpoints, fusing as it goes.
 
@@ -145,7 +168,7 @@ class LlamaModel:
         lm_head = embed if head is None else place(head)
         if progress:
             progress(1)
-        return cls(config, embed, layers, norm, lm_head)
+        return cls(config, embed, layers, norm, lm_head, quantization)
 
     def _build_rope_tables(self, max_positions: int) -> None:
         inv = torch.tensor(self.config.inverse_frequencies(), dtype=torch.float32)
@@ -161,6 +184,11 @@ class LlamaModel:
 
     @property
     def num_bytes(self) -> int:
+        if self.int8 is not None:
+            tensors = [self.embed, self.norm] + (
+                [] if self.lm_head is self.embed else [self.lm_head]
+            )
+            return self.int8.num_bytes + sum(t.numel() * t.element_size() for t in tensors)
         tensors = [self.embed, self.norm]
         if self.lm_head is not self.embed:
             tensors.append(self.lm_head)
@@ -181,6 +209,8 @@ class LlamaModel:
         its activations): only matmul inputs are cast down. With bf16 weights on a small model
         the difference decides greedy choices between near-tied tokens.
         """
+        if self.int8 is not None:
+            return self._forward_int8(token_ids, meta, kv_cache)
         if self.fused and self.native:
             return self._forward_fused(token_ids, meta, kv_cache)
         cfg = self.config
@@ -272,6 +302,67 @@ class LlamaModel:
         x = F.rms_norm(x[meta.logits_indices], (cfg.hidden_size,), self.norm, eps)
         return self.logits(x)
 
+    def _forward_int8(
+        self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """The fused path with int8 linear layers (kvserve/model/quant.py): each product takes
+        int8 rows with their scales and gives int32, which the next kernel dequantizes."""
+        from kvserve.model import native
+
+        cfg = self.config
+        dtype, eps = self.dtype, cfg.rms_norm_eps
+        num_heads, num_kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        rows = token_ids.shape[0]
+        q_size, qk_size = cfg.q_size, cfg.q_size + cfg.kv_size
+        weights = self.int8
+        last = len(weights.layers) - 1
+
+        # [rows, hidden] residual, fp32, in the rotated basis
+        x = native.rotate_rows(F.embedding(token_ids, self.embed).float(), weights.rotation)
+        q, s = native.add_rmsnorm_q8(x, None, None, None, eps)
+        for index, layer in enumerate(weights.layers):
+            qkv = native.dequantize(layer.qkv.matmul(q), s, layer.qkv.scale, layer.qkv.bias, dtype)
+            kv_layer = kv_cache.layer(index)
+            native.rope_store(
+                qkv,
+                meta.positions,
+                self.rope_cos_half,
+                self.rope_sin_half,
+                meta.slot_mapping,
+                kv_layer,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+            )
+            attn = paged_attention(
+                qkv[:, :q_size].view(rows, num_heads, head_dim),
+                qkv[:, q_size:qk_size].view(rows, num_kv_heads, head_dim),
+                qkv[:, qk_size:].view(rows, num_kv_heads, head_dim),
+                kv_layer,
+                meta,
+                self.scale,
+                native=True,
+                store=False,
+            )
+            q, s = native.quantize_rows(attn.view(rows, q_size))
+            q, s = native.add_rmsnorm_q8(x, layer.o.matmul(q), s, layer.o.scale, eps)
+            q, s = native.silu_mul_q8(
+                layer.gate_up.matmul(q), s, layer.gate_up.scale, weights.down_block
+            )
+            acc = layer.down.matmul(q)
+            if index < last:
+                q, s = native.add_rmsnorm_q8(x, acc, s, layer.down.scale, eps)
+            else:
+                native.add_rmsnorm_q8(x, acc, s, layer.down.scale, eps, normalize=False)
+
+        x = x[meta.logits_indices]
+        q, s = native.add_rmsnorm_q8(x, None, None, None, eps)
+        head = weights.head
+        logits = native.dequantize(head.matmul(q), s, head.scale, None, torch.float32)
+        # The best candidates of each row, exactly, from the rows turned back (as in `logits`)
+        x = F.rms_norm(native.rotate_rows(x, weights.inverse), (cfg.hidden_size,), self.norm, eps)
+        return self._refine(logits, x)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits of normalized hidden states x: [rows, hidden] (float32).
 
@@ -282,7 +373,11 @@ class LlamaModel:
         """
         if self.dtype == torch.float32:
             return F.linear(x, self.lm_head)
-        logits = self.head(x.to(self.dtype)).float()
+        return self._refine(self.head(x.to(self.dtype)).float(), x)
+
+    def _refine(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Recompute each row's REFINE_TOP_K best logits exactly: x [rows, hidden] float32 are
+        the normalized hidden states the final norm gives (its weight applied)."""
         top = logits.topk(REFINE_TOP_K, dim=-1).indices  # [rows, k]
         exact = torch.bmm(self.lm_head[top].float(), x.unsqueeze(-1)).squeeze(-1)
         return logits.scatter_(1, top, exact)

@@ -87,7 +87,9 @@ class LoadedModel:
         cfg = self.config
         return (
             f"loaded {self.name}: {cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M params, "
-            f"{cfg.num_layers} layers, {str(self.dtype).removeprefix('torch.')} on {self.device}, "
+            f"{cfg.num_layers} layers, {str(self.dtype).removeprefix('torch.')}"
+            f"{'' if self.model.quantization == 'none' else ' + ' + self.model.quantization} "
+            f"on {self.device}, "
             f"weights {self.model.num_bytes / 2**20:.0f} MiB (from {'/'.join(self.quantization)}), "
             f"context {cfg.max_position_embeddings}, in {self.load_seconds:.1f} s"
         )
@@ -130,7 +132,12 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
         leave=False,
     ) as bar:
         llama = LlamaModel.from_tensors(
-            config, checkpoint.get, dtype=dtype, device=device, progress=bar.update
+            config,
+            checkpoint.get,
+            dtype=dtype,
+            device=device,
+            progress=bar.update,
+            quantization=device_config.quantization,
         )
     loaded = LoadedModel(
         model=llama,

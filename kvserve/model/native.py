@@ -24,7 +24,12 @@ import torch
 log = logging.getLogger("kvserve.model")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "paged_attention.c", CSRC / "layer_ops.c"]
+SOURCES = [
+    CSRC / "paged_attention.c",
+    CSRC / "layer_ops.c",
+    CSRC / "quant_ops.c",
+    CSRC / "int8_gemm.c",
+]
 HEADER = CSRC / "common.h"
 # -fno-math-errno / -fno-trapping-math (not -ffast-math: no reassociation, NaN and infinity keep
 # their meaning) let loops with floorf and comparisons vectorize.
@@ -118,11 +123,22 @@ def library() -> ctypes.CDLL | None:
         "kvserve_silu_mul": [p, p, i64, i64, i32],
         "kvserve_rope_store": [p, p, p, p, p, p, i64, i64, i64, i64, i64, i32],
     }
+    signatures["kvserve_quantize_rows"] = [p, i64, i64, i64, p, p, i32]
+    signatures["kvserve_dequantize"] = [p, p, p, p, p, i64, i64, i32]
     for base, argtypes in signatures.items():
         for suffix in ("_f32", "_bf16"):
             fn = getattr(lib, base + suffix)
             fn.argtypes = argtypes
             fn.restype = None
+    lib.kvserve_add_rmsnorm_q8.argtypes = [p, p, p, p, p, p, i64, i64, f32, i32]
+    lib.kvserve_silu_mul_q8.argtypes = [p, p, p, p, p, i64, i64, i64, i32]
+    lib.kvserve_rotate_rows.argtypes = [p, p, p, i64, i64, i32]
+    lib.kvserve_int8_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32]
+    lib.kvserve_int8_gemm.restype = None
+    lib.kvserve_int8_gemm_available.argtypes = []
+    lib.kvserve_int8_gemm_available.restype = ctypes.c_int
+    for name in ("kvserve_add_rmsnorm_q8", "kvserve_silu_mul_q8", "kvserve_rotate_rows"):
+        getattr(lib, name).restype = None
     return lib
 
 
@@ -271,3 +287,163 @@ def rope_store(
         num_slots,
         torch.get_num_threads(),
     )
+
+
+# -- the int8 linear path (kvserve/model/quant.py) ----------------------------------------------
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 of x: [rows, width] (rows may be strided, width contiguous).
+    Returns (q [rows, width] int8, scales [rows] float32) with x ~= q * scales[:, None]."""
+    rows, width = x.shape
+    assert x.stride(1) == 1
+    q = torch.empty(rows, width, dtype=torch.int8)
+    scales = torch.empty(rows, dtype=torch.float32)
+    fn = getattr(library(), "kvserve_quantize_rows" + _suffix(x))
+    fn(
+        x.data_ptr(),
+        rows,
+        width,
+        x.stride(0),
+        q.data_ptr(),
+        scales.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return q, scales
+
+
+def add_rmsnorm_q8(
+    x: torch.Tensor,
+    acc: torch.Tensor | None,
+    row_scales: torch.Tensor | None,
+    col_scales: torch.Tensor | None,
+    eps: float,
+    *,
+    normalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x += acc * row_scales[:, None] * col_scales (when acc is given), in place; then, with
+    `normalize`, returns the per-row int8 of rmsnorm(x) (no weight) as (q, scales).
+
+    x: [rows, hidden] float32 contiguous; acc: [rows, hidden] int32 contiguous."""
+    rows, hidden = x.shape
+    q = scales = None
+    if normalize:
+        q = torch.empty(rows, hidden, dtype=torch.int8)
+        scales = torch.empty(rows, dtype=torch.float32)
+    library().kvserve_add_rmsnorm_q8(
+        x.data_ptr(),
+        _ptr(acc),
+        _ptr(row_scales),
+        _ptr(col_scales),
+        _ptr(q),
+        _ptr(scales),
+        rows,
+        hidden,
+        eps,
+        torch.get_num_threads(),
+    )
+    return (q, scales) if normalize else None
+
+
+def silu_mul_q8(
+    acc: torch.Tensor, row_scales: torch.Tensor, col_scales: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the int32 gate|up product `[rows, 2 * width]` (gate columns first) and its scales:
+    m = silu(gate) * up, rotated by normalized Walsh-Hadamard blocks of `block` columns (1 = no
+    rotation), returned as per-row int8 (q [rows, width], scales [rows])."""
+    rows, double = acc.shape
+    width = double // 2
+    assert block >= 1 and width % block == 0 and block & (block - 1) == 0
+    q = torch.empty(rows, width, dtype=torch.int8)
+    scales = torch.empty(rows, dtype=torch.float32)
+    library().kvserve_silu_mul_q8(
+        acc.data_ptr(),
+        row_scales.data_ptr(),
+        col_scales.data_ptr(),
+        q.data_ptr(),
+        scales.data_ptr(),
+        rows,
+        width,
+        block,
+        torch.get_num_threads(),
+    )
+    return q, scales
+
+
+def dequantize(
+    acc: torch.Tensor,
+    row_scales: torch.Tensor,
+    col_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """acc * row_scales[:, None] * col_scales + bias, as `dtype` (float32 or bfloat16)."""
+    rows, cols = acc.shape
+    out = torch.empty(rows, cols, dtype=dtype)
+    fn = getattr(library(), "kvserve_dequantize" + _suffix(out))
+    fn(
+        acc.data_ptr(),
+        row_scales.data_ptr(),
+        col_scales.data_ptr(),
+        _ptr(bias),
+        out.data_ptr(),
+        rows,
+        cols,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def rotate_rows(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """x @ matrix for x: [rows, n] float32 and matrix: [n, n] float32 (both contiguous), each
+    row computed alone in a fixed order: a row's result does not depend on its batch mates."""
+    rows, n = x.shape
+    assert matrix.shape == (n, n) and x.is_contiguous() and matrix.is_contiguous()
+    out = torch.empty(rows, n, dtype=torch.float32)
+    library().kvserve_rotate_rows(
+        x.data_ptr(), matrix.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads()
+    )
+    return out
+
+
+INT8_BLOCK_COLS = 64  # columns per packed weight panel (kvserve/model/csrc/int8_gemm.c)
+
+
+def int8_gemm_available() -> bool:
+    """Whether the packed int8 product was built (the CPU has AVX512-VNNI)."""
+    lib = library()
+    return lib is not None and bool(lib.kvserve_int8_gemm_available())
+
+
+def pack_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack an int8 weight [n, k] (k a multiple of 4) for `int8_gemm`: returns the panels
+    [ceil(n / 64), k / 4, 64, 4] int8 (zero columns past n) and the correction
+    128 * sum_k weight[n, k] as int32, padded alike."""
+    n, k = weight.shape
+    assert k % 4 == 0
+    blocks = -(-n // INT8_BLOCK_COLS)
+    padded = torch.zeros(blocks * INT8_BLOCK_COLS, k, dtype=torch.int8)
+    padded[:n] = weight
+    panels = padded.view(blocks, INT8_BLOCK_COLS, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    correction = (padded.to(torch.int32).sum(dim=1) * 128).to(torch.int32).contiguous()
+    return panels, correction
+
+
+def int8_gemm(
+    q: torch.Tensor, panels: torch.Tensor, correction: torch.Tensor, n: int
+) -> torch.Tensor:
+    """q [rows, k] int8 (contiguous) times the packed weight's transpose: [rows, n] int32."""
+    rows, k = q.shape
+    assert q.is_contiguous() and panels.shape[1] * 4 == k
+    out = torch.empty(rows, n, dtype=torch.int32)
+    library().kvserve_int8_gemm(
+        q.data_ptr(),
+        rows,
+        k,
+        panels.data_ptr(),
+        correction.data_ptr(),
+        n,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out

@@ -1,0 +1,97 @@
+/*
+ * int8 x int8 -> int32 matrix product with AVX512-VNNI, for weights packed once at load:
+ *
+ *   c[m][n] = sum_k a[m][k] * w[n][k]      a: [rows][k] int8, c: [rows][n] int32
+ *
+ * The weight is packed as [n / 64][k / 4][64][4]: one 64-byte load holds 4 consecutive k of 16
+ * columns, which is what one vpdpbusd consumes against 4 bytes of a row broadcast to every lane.
+ * vpdpbusd multiplies unsigned by signed bytes, so rows enter as a + 128 (a byte xor) and the
+ * surplus 128 * sum_k w[n][k] (`correction`, computed at packing) is taken off at the end. Sums
+ * are exact in int32 (|c| <= 255 * 128 * k), so the result never depends on the row count, the
+ * blocking or the thread count.
+ *
+ * A library int8 product (oneDNN through torch._int_mm) reorders the weight into its own layout
+ * on every call, which costs as much as the product itself for the few rows of decode.
+ * Work is split over blocks of 64 columns; inside a block, rows go 6 at a time (24 accumulators).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#define NR 4
+#define BLOCK_COLS (NR * 16)
+
+#define DEFINE_MICRO(MR)                                                                           \
+    static inline void micro_##MR(const int8_t *a, int64_t lda, const int8_t *panel,             \
+                                  int64_t steps, const int32_t *correction, int32_t *c,           \
+                                  int64_t ldc, int64_t cols) {                                    \
+        __m512i acc[MR][NR];                                                                      \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                      \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] =                      \
+                _mm512_setzero_si512();                                                           \
+        const __m512i flip = _mm512_set1_epi32((int32_t)0x80808080u);                             \
+        for (int64_t s = 0; s < steps; s++) {                                                     \
+            const int8_t *b = panel + s * BLOCK_COLS * 4;                                         \
+            __m512i w[NR];                                                                        \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) w[j] =                           \
+                _mm512_loadu_si512((const void *)(b + 64 * j));                                   \
+            _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                \
+                int32_t four;                                                                     \
+                memcpy(&four, a + i * lda + 4 * s, 4);                                            \
+                const __m512i x = _mm512_xor_si512(_mm512_set1_epi32(four), flip);               \
+                _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] =                  \
+                    _mm512_dpbusd_epi32(acc[i][j], x, w[j]);                                      \
+            }                                                                                     \
+        }                                                                                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                    \
+            const __m512i fix = _mm512_loadu_si512((const void *)(correction + 16 * j));          \
+            const int64_t left = cols - 16 * j;                                                   \
+            if (left <= 0) break;                                                                 \
+            const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); \
+            _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) _mm512_mask_storeu_epi32(        \
+                c + i * ldc + 16 * j, mask, _mm512_sub_epi32(acc[i][j], fix));                     \
+        }                                                                                         \
+    }
+
+DEFINE_MICRO(1)
+DEFINE_MICRO(2)
+DEFINE_MICRO(3)
+DEFINE_MICRO(4)
+DEFINE_MICRO(5)
+DEFINE_MICRO(6)
+
+int kvserve_int8_gemm_available(void) { return 1; }
+
+void kvserve_int8_gemm(const int8_t *a, int64_t rows, int64_t k, const int8_t *packed,
+                       const int32_t *correction, int64_t n, int32_t *c, int num_threads) {
+    const int64_t blocks = (n + BLOCK_COLS - 1) / BLOCK_COLS, steps = k / 4;
+    const int parallel = blocks > 1 && rows * n * k >= (1 << 18);
+    _Pragma("omp parallel for schedule(static) if (parallel) num_threads(num_threads)")
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        const int8_t *panel = packed + nb * steps * BLOCK_COLS * 4;
+        const int32_t *fix = correction + nb * BLOCK_COLS;
+        const int64_t cols = n - nb * BLOCK_COLS < BLOCK_COLS ? n - nb * BLOCK_COLS : BLOCK_COLS;
+        int32_t *out = c + nb * BLOCK_COLS;
+        int64_t i = 0;
+        for (; i + 6 <= rows; i += 6) micro_6(a + i * k, k, panel, steps, fix, out + i * n, n, cols);
+        switch (rows - i) {
+        case 5: micro_5(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
+        case 4: micro_4(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
+        case 3: micro_3(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
+        case 2: micro_2(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
+        case 1: micro_1(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
+        default: break;
+        }
+    }
+}
+#else
+int kvserve_int8_gemm_available(void) { return 0; }
+
+void kvserve_int8_gemm(const int8_t *a, int64_t rows, int64_t k, const int8_t *packed,
+                       const int32_t *correction, int64_t n, int32_t *c, int num_threads) {
+    (void)a, (void)rows, (void)k, (void)packed, (void)correction, (void)n, (void)c,
+        (void)num_threads;
+}
+#endif

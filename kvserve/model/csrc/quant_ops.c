@@ -1,0 +1,176 @@
+/*
+ * Elementwise kernels of the int8 linear path (see kvserve/model/quant.py), each fusing what
+ * sits between two integer matrix products:
+ *
+ *   quantize_rows     q, s = per-row symmetric int8 of x (the attention output)
+ *   add_rmsnorm_q8    x += acc * row_scale * col_scale (optional); q, s = int8 of rmsnorm(x)
+ *   silu_mul_q8       m = silu(gate) * up from the int32 gate|up product; m rotated by
+ *                     normalized Walsh-Hadamard blocks; q, s = int8 of m
+ *   dequantize        out = acc * row_scale * col_scale + bias, in the model dtype
+ *
+ * Per-row symmetric quantization: s = max|v| / 127 and q = round-to-nearest-even(v / s); a row of
+ * zeros gets s = 0 and q = 0. Every row is handled alone, so a row's result never depends on the
+ * other rows of the step. The residual stream x is float32.
+ */
+#include <string.h>
+
+#include "common.h"
+
+static inline float row_absmax(const float *v, int64_t n) {
+    float top = 0.f;
+    _Pragma("omp simd reduction(max : top)") for (int64_t i = 0; i < n; i++) {
+        const float a = fabsf(v[i]);
+        top = a > top ? a : top;
+    }
+    return top;
+}
+
+/* Writes q[0:n] and returns the scale. */
+static inline float quantize_row(const float *v, int64_t n, int8_t *q) {
+    const float top = row_absmax(v, n);
+    const float scale = top / 127.f, inverse = top > 0.f ? 127.f / top : 0.f;
+    _Pragma("omp simd") for (int64_t i = 0; i < n; i++) q[i] = (int8_t)nearbyintf(v[i] * inverse);
+    return scale;
+}
+
+#define DEFINE_QUANTIZE_ROWS(NAME, T, LOAD)                                                        \
+    void NAME(const T *x, int64_t rows, int64_t width, int64_t row_stride, int8_t *q,             \
+              float *scales, int num_threads) {                                                   \
+        _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")                        \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            float v[width];                                                                       \
+            const T *xr = x + r * row_stride;                                                     \
+            _Pragma("omp simd") for (int64_t i = 0; i < width; i++) v[i] = LOAD(xr[i]);           \
+            scales[r] = quantize_row(v, width, q + r * width);                                    \
+        }                                                                                         \
+    }
+
+DEFINE_QUANTIZE_ROWS(kvserve_quantize_rows_f32, float, float_identity)
+DEFINE_QUANTIZE_ROWS(kvserve_quantize_rows_bf16, uint16_t, bf16_to_float)
+
+/* acc may be NULL (nothing added). q may be NULL: then only the addition is done. */
+void kvserve_add_rmsnorm_q8(float *x, const int32_t *acc, const float *row_scales,
+                            const float *col_scales, int8_t *q, float *scales, int64_t rows,
+                            int64_t hidden, float eps, int num_threads) {
+    _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * hidden;
+        if (acc) {
+            const int32_t *ar = acc + r * hidden;
+            const float rs = row_scales[r];
+            _Pragma("omp simd") for (int64_t i = 0; i < hidden; i++) xr[i] +=
+                (float)ar[i] * rs * col_scales[i];
+        }
+        if (!q) continue;
+        float sum = 0.f;
+        _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < hidden; i++) sum +=
+            xr[i] * xr[i];
+        const float norm = 1.f / sqrtf(sum / (float)hidden + eps);
+        float v[hidden];
+        _Pragma("omp simd") for (int64_t i = 0; i < hidden; i++) v[i] = xr[i] * norm;
+        scales[r] = quantize_row(v, hidden, q + r * hidden);
+    }
+}
+
+/* In place, v[0:n] times the Sylvester-Hadamard matrix of order n (a power of 2), NOT
+ * normalized: the caller folds 1/sqrt(n) into the row's quantization scale. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline void walsh_hadamard(float *v, int64_t n) {
+    int64_t h = 1;
+    if (n >= 16) {
+        /* stages 1, 2, 4, 8 inside each 16-lane vector: lane j pairs with lane j ^ h; the lower
+         * one gets a + b, the upper one a - b (that is, its partner minus itself) */
+        const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        for (int64_t i = 0; i < n; i += 16) {
+            __m512 x = _mm512_loadu_ps(v + i);
+            for (int stage = 1; stage < 16; stage <<= 1) {
+                const __m512 partner =
+                    _mm512_permutexvar_ps(_mm512_xor_si512(lanes, _mm512_set1_epi32(stage)), x);
+                const __mmask16 upper = _mm512_test_epi32_mask(lanes, _mm512_set1_epi32(stage));
+                x = _mm512_mask_sub_ps(_mm512_add_ps(x, partner), upper, partner, x);
+            }
+            _mm512_storeu_ps(v + i, x);
+        }
+        h = 16;
+    }
+    for (; h < n; h <<= 1)
+        for (int64_t i = 0; i < n; i += 2 * h)
+            _Pragma("omp simd") for (int64_t j = i; j < i + h; j++) {
+                const float a = v[j], b = v[j + h];
+                v[j] = a + b;
+                v[j + h] = a - b;
+            }
+}
+#else
+static inline void walsh_hadamard(float *v, int64_t n) {
+    for (int64_t h = 1; h < n; h <<= 1)
+        for (int64_t i = 0; i < n; i += 2 * h)
+            _Pragma("omp simd") for (int64_t j = i; j < i + h; j++) {
+                const float a = v[j], b = v[j + h];
+                v[j] = a + b;
+                v[j + h] = a - b;
+            }
+}
+#endif
+
+/* acc: [rows][2 * width] int32, gate columns first; col_scales: [2 * width]. */
+void kvserve_silu_mul_q8(const int32_t *acc, const float *row_scales, const float *col_scales,
+                         int8_t *q, float *scales, int64_t rows, int64_t width, int64_t block,
+                         int num_threads) {
+    _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")
+    for (int64_t r = 0; r < rows; r++) {
+        const int32_t *gate = acc + r * 2 * width, *up = gate + width;
+        const float *gate_scales = col_scales, *up_scales = col_scales + width;
+        const float rs = row_scales[r];
+        float v[width];
+        _Pragma("omp simd") for (int64_t i = 0; i < width; i++) {
+            const float g = (float)gate[i] * rs * gate_scales[i];
+            v[i] = g / (1.f + exp_approx(-g)) * ((float)up[i] * rs * up_scales[i]);
+        }
+        if (block > 1)
+            for (int64_t b = 0; b < width; b += block) walsh_hadamard(v + b, block);
+        /* normalizing the rotation scales every value alike: only the row scale changes */
+        scales[r] = quantize_row(v, width, q + r * width) / sqrtf((float)block);
+    }
+}
+
+#define DEFINE_DEQUANTIZE(NAME, T, STORE)                                                          \
+    void NAME(const int32_t *acc, const float *row_scales, const float *col_scales,              \
+              const float *bias, T *out, int64_t rows, int64_t cols, int num_threads) {           \
+        _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")                        \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            const int32_t *ar = acc + r * cols;                                                   \
+            const float rs = row_scales[r];                                                       \
+            T *orow = out + r * cols;                                                             \
+            if (bias) {                                                                           \
+                _Pragma("omp simd") for (int64_t i = 0; i < cols; i++) orow[i] =                  \
+                    STORE((float)ar[i] * rs * col_scales[i] + bias[i]);                           \
+            } else {                                                                              \
+                _Pragma("omp simd") for (int64_t i = 0; i < cols; i++) orow[i] =                  \
+                    STORE((float)ar[i] * rs * col_scales[i]);                                     \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+DEFINE_DEQUANTIZE(kvserve_dequantize_f32, float, float_identity)
+DEFINE_DEQUANTIZE(kvserve_dequantize_bf16, uint16_t, float_to_bf16)
+
+/* out[r] = x[r] @ m for x: [rows][n], m: [n][n] float32, one row at a time in a fixed order, so
+ * a row's result never depends on how many rows share the call (a library GEMM may pick
+ * another kernel, and another summation order, for another row count). */
+void kvserve_rotate_rows(const float *x, const float *m, float *out, int64_t rows, int64_t n,
+                         int num_threads) {
+    _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *orow = out + r * n;
+        memset(orow, 0, sizeof(float) * n);
+        for (int64_t k = 0; k < n; k++) {
+            const float xk = xr[k];
+            const float *mk = m + k * n;
+            _Pragma("omp simd") for (int64_t j = 0; j < n; j++) orow[j] += xk * mk[j];
+        }
+    }
+}
