@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -68,7 +69,35 @@ def configure_threads(num_threads: int | None) -> int:
     """Set torch's intra-op threads (default: every core) and one inter-op thread."""
     threads = num_threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
+    keep_freed_memory()
     return threads
+
+
+# glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed blocks instead of handing each one back to the kernel.
+
+    A forward pass allocates and frees the same few-megabyte activations every step. By default
+    glibc serves blocks that large with a fresh mmap, so every step pays page faults and the
+    zeroing of new pages inside the kernels that first write them (5-10% of a prefill here).
+    With a 32 MiB mmap threshold and a 256 MiB trim threshold they stay in the heap and are
+    reused. Returns False where this is not glibc (nothing is changed).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return all(
+            libc.mallopt(parameter, value) == 1
+            for parameter, value in (
+                (_M_MMAP_THRESHOLD, 32 << 20),
+                (_M_TRIM_THRESHOLD, 256 << 20),
+                (_M_TOP_PAD, 16 << 20),
+            )
+        )
+    except (OSError, AttributeError):
+        return False
 
 
 @dataclass

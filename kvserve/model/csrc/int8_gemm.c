@@ -67,16 +67,22 @@ int kvserve_int8_gemm_available(void) { return 1; }
 void kvserve_int8_gemm(const int8_t *a, int64_t rows, int64_t k, const int8_t *packed,
                        const int32_t *correction, int64_t n, int32_t *c, int num_threads) {
     const int64_t blocks = (n + BLOCK_COLS - 1) / BLOCK_COLS, steps = k / 4;
-    const int parallel = blocks > 1 && rows * n * k >= (1 << 18);
+    /* Tasks are (column block, row chunk): with an odd number of blocks (576 columns are 9) the
+     * rows are cut in two as well, so that two threads get equal shares. */
+    const int64_t chunk = blocks % 2 && rows >= 12 ? ((rows + 1) / 2 + 5) / 6 * 6 : rows;
+    const int64_t chunks = (rows + chunk - 1) / chunk;
+    const int parallel = blocks * chunks > 1 && rows * n * k >= (1 << 18);
     _Pragma("omp parallel for schedule(static) if (parallel) num_threads(num_threads)")
-    for (int64_t nb = 0; nb < blocks; nb++) {
+    for (int64_t task = 0; task < blocks * chunks; task++) {
+        const int64_t nb = task / chunks, first = (task % chunks) * chunk;
+        const int64_t last = first + chunk < rows ? first + chunk : rows;
         const int8_t *panel = packed + nb * steps * BLOCK_COLS * 4;
         const int32_t *fix = correction + nb * BLOCK_COLS;
         const int64_t cols = n - nb * BLOCK_COLS < BLOCK_COLS ? n - nb * BLOCK_COLS : BLOCK_COLS;
         int32_t *out = c + nb * BLOCK_COLS;
-        int64_t i = 0;
-        for (; i + 6 <= rows; i += 6) micro_6(a + i * k, k, panel, steps, fix, out + i * n, n, cols);
-        switch (rows - i) {
+        int64_t i = first;
+        for (; i + 6 <= last; i += 6) micro_6(a + i * k, k, panel, steps, fix, out + i * n, n, cols);
+        switch (last - i) {
         case 5: micro_5(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
         case 4: micro_4(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
         case 3: micro_3(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;

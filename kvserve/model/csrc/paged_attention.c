@@ -24,21 +24,49 @@
 #include <immintrin.h>
 #define HAVE_BF16_DOT 1
 
+/* r[i] = sum of the 16 lanes of v[i], for 16 vectors at once (a transpose by shuffles: about 3
+ * instructions per sum instead of the 8 of one horizontal reduction). */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    const __m512 a = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44),
+                                   _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    const __m512 b = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44),
+                                   _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+
 /* Scores of `group` bf16 query rows against `n` bf16 key rows of one block, with the CPU's
  * bf16 dot-product instruction: products are exact in float32 and summed in float32, as the
- * generic path does after converting, but without the conversion. HD is 64 or 128. */
+ * generic path does after converting, but without the conversion. Keys go 16 at a time, their
+ * 16 partial-sum vectors reduced together. HD is 64 or 128. */
 static inline void bf16_block_scores(const void *q_rows, int64_t group, const void *keys,
                                      int64_t n, int hd, float scale, float *scores,
                                      int64_t stride) {
     const uint16_t *q = (const uint16_t *)q_rows, *k = (const uint16_t *)keys;
-    for (int64_t o = 0; o < n; o++) {
-        const uint16_t *row = k + o * hd;
+    const __m512 scales = _mm512_set1_ps(scale);
+    for (int64_t o0 = 0; o0 < n; o0 += 16) {
+        const int64_t m = n - o0 < 16 ? n - o0 : 16;
+        const __mmask16 mask = m == 16 ? (__mmask16)0xffff : (__mmask16)((1u << m) - 1);
         for (int64_t g = 0; g < group; g++) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int d = 0; d < hd; d += 32)
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + d),
-                                       (__m512bh)_mm512_loadu_si512(q + g * hd + d));
-            scores[g * stride + o] = _mm512_reduce_add_ps(acc) * scale;
+            __m512 partial[16];
+            for (int64_t j = 0; j < 16; j++) {
+                __m512 acc = _mm512_setzero_ps();
+                if (j < m) {
+                    const uint16_t *row = k + (o0 + j) * hd;
+                    for (int d = 0; d < hd; d += 32)
+                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + d),
+                                               (__m512bh)_mm512_loadu_si512(q + g * hd + d));
+                }
+                partial[j] = acc;
+            }
+            _mm512_mask_storeu_ps(scores + g * stride + o0, mask,
+                                  _mm512_mul_ps(sum16(partial), scales));
         }
     }
 }
