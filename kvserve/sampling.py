@@ -368,10 +368,10 @@ class Sampler:
 
         if greedy_indices:
             if len(greedy_indices) == num_rows:
-                token_ids = processed.argmax(dim=-1)
+                token_ids = _argmax(processed)
             else:
                 index_tensor = torch.tensor(greedy_indices, device=device)
-                token_ids[index_tensor] = processed.index_select(0, index_tensor).argmax(dim=-1)
+                token_ids[index_tensor] = _argmax(processed.index_select(0, index_tensor))
         if random_indices:
             random_rows = [rows[i] for i in random_indices]
             if len(random_indices) == num_rows:
@@ -460,6 +460,18 @@ class Sampler:
             )
             _set_rows(uniforms, unseeded_indices, shared)
         return uniforms
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Per-row argmax, ties to the lowest token id. On the CPU, the C kernel (torch's argmax runs
+    on one core and takes ~3 ms for 64 rows of a 49k vocabulary, a twentieth of a decode step);
+    it passes over NaN, which torch would pick."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        from kvserve.model import native
+
+        if native.library() is not None:
+            return native.topk_rows(logits, 1)[:, 0]
+    return logits.argmax(dim=-1)
 
 
 def _effective_top_k(top_k: int, vocab_size: int) -> int | None:

@@ -378,7 +378,12 @@ class LlamaModel:
     def _refine(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Recompute each row's REFINE_TOP_K best logits exactly: x [rows, hidden] float32 are
         the normalized hidden states the final norm gives (its weight applied)."""
-        top = logits.topk(REFINE_TOP_K, dim=-1).indices  # [rows, k]
+        if self.native and logits.is_contiguous():
+            from kvserve.model import native
+
+            top = native.topk_rows(logits, REFINE_TOP_K)  # [rows, k]
+        else:
+            top = logits.topk(REFINE_TOP_K, dim=-1).indices
         exact = torch.bmm(self.lm_head[top].float(), x.unsqueeze(-1)).squeeze(-1)
         return logits.scatter_(1, top, exact)
 

@@ -133,6 +133,8 @@ def library() -> ctypes.CDLL | None:
     lib.kvserve_add_rmsnorm_q8.argtypes = [p, p, p, p, p, p, i64, i64, f32, i32]
     lib.kvserve_silu_mul_q8.argtypes = [p, p, p, p, p, i64, i64, i64, i32]
     lib.kvserve_rotate_rows.argtypes = [p, p, p, i64, i64, i32]
+    lib.kvserve_topk_rows.argtypes = [p, i64, i64, i64, p, i32]
+    lib.kvserve_topk_rows.restype = None
     lib.kvserve_int8_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32]
     lib.kvserve_int8_gemm.restype = None
     lib.kvserve_int8_gemm_available.argtypes = []
@@ -447,3 +449,15 @@ def int8_gemm(
         torch.get_num_threads(),
     )
     return out
+
+
+def topk_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Columns of the k largest values of each row of x: [rows, n] float32 contiguous, best
+    first, the lower column first among equal values. Returns [rows, k] int64. k <= 64."""
+    rows, n = x.shape
+    assert x.dtype == torch.float32 and x.is_contiguous() and 0 < k <= min(64, n)
+    indices = torch.empty(rows, k, dtype=torch.int64)
+    library().kvserve_topk_rows(
+        x.data_ptr(), rows, n, k, indices.data_ptr(), torch.get_num_threads()
+    )
+    return indices

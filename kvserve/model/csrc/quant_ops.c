@@ -7,6 +7,8 @@
  *   silu_mul_q8       m = silu(gate) * up from the int32 gate|up product; m rotated by
  *                     normalized Walsh-Hadamard blocks; q, s = int8 of m
  *   dequantize        out = acc * row_scale * col_scale + bias, in the model dtype
+ *   rotate_rows       out = x @ m, a row at a time (the rotation of the residual stream)
+ *   topk_rows         the columns of each row's k largest values (the logits to recompute)
  *
  * Per-row symmetric quantization: s = max|v| / 127 and q = round-to-nearest-even(v / s); a row of
  * zeros gets s = 0 and q = 0. Every row is handled alone, so a row's result never depends on the
@@ -15,6 +17,10 @@
 #include <string.h>
 
 #include "common.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 static inline float row_absmax(const float *v, int64_t n) {
     float top = 0.f;
@@ -75,8 +81,6 @@ void kvserve_add_rmsnorm_q8(float *x, const int32_t *acc, const float *row_scale
 /* In place, v[0:n] times the Sylvester-Hadamard matrix of order n (a power of 2), NOT
  * normalized: the caller folds 1/sqrt(n) into the row's quantization scale. */
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
 static inline void walsh_hadamard(float *v, int64_t n) {
     int64_t h = 1;
     if (n >= 16) {
@@ -172,5 +176,53 @@ void kvserve_rotate_rows(const float *x, const float *m, float *out, int64_t row
             const float *mk = m + k * n;
             _Pragma("omp simd") for (int64_t j = 0; j < n; j++) orow[j] += xk * mk[j];
         }
+    }
+}
+
+/* indices[r][0:k] = the columns of the k largest values of row r of x: [rows][n] float32, in
+ * decreasing order, the lower column first among equal values (NaN never selected). A running
+ * threshold (the k-th best so far) lets nearly every value be rejected by one comparison, 16 at
+ * a time where AVX-512 exists. k <= 64 and k <= n. */
+void kvserve_topk_rows(const float *x, int64_t rows, int64_t n, int64_t k, int64_t *indices,
+                       int num_threads) {
+    _Pragma("omp parallel for if (rows >= 2) num_threads(num_threads)")
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        float best[64];
+        int64_t where[64];
+        int64_t count = 0;
+        float threshold = -INFINITY; /* valid once count == k */
+#define KVSERVE_TOPK_OFFER(COLUMN)                                                                 \
+    do {                                                                                           \
+        const int64_t column_ = (COLUMN);                                                          \
+        const float value_ = row[column_];                                                         \
+        if (!(value_ == value_)) break;                                                            \
+        if (count == k && !(value_ > threshold)) break;                                            \
+        int64_t slot_ = count < k ? count++ : k - 1;                                               \
+        while (slot_ > 0 && best[slot_ - 1] < value_) {                                            \
+            best[slot_] = best[slot_ - 1];                                                         \
+            where[slot_] = where[slot_ - 1];                                                       \
+            slot_--;                                                                               \
+        }                                                                                          \
+        best[slot_] = value_;                                                                      \
+        where[slot_] = column_;                                                                    \
+        if (count == k) threshold = best[k - 1];                                                   \
+    } while (0)
+        int64_t j = 0;
+        for (; j < n && count < k; j++) KVSERVE_TOPK_OFFER(j);
+#if defined(__AVX512F__)
+        for (; j + 16 <= n; j += 16) {
+            __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j),
+                                                 _mm512_set1_ps(threshold), _CMP_GT_OQ);
+            while (above) {
+                const int lane = __builtin_ctz(above);
+                above &= above - 1;
+                KVSERVE_TOPK_OFFER(j + lane);
+            }
+        }
+#endif
+        for (; j < n; j++) KVSERVE_TOPK_OFFER(j);
+#undef KVSERVE_TOPK_OFFER
+        for (int64_t i = 0; i < k; i++) indices[r * k + i] = i < count ? where[i] : 0;
     }
 }
