@@ -34,3 +34,12 @@ def loaded_default():
     from kvserve.model.loader import load_model
 
     return load_model(None, DeviceConfig(device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def loaded_int8():
+    """The default model with int8 linear layers (--quantization int8), bf16 elsewhere."""
+    from kvserve.config import DeviceConfig
+    from kvserve.model.loader import load_model
+
+    return load_model(None, DeviceConfig(device="cpu", quantization="int8"))

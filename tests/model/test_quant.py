@@ -1,0 +1,350 @@
+"""The int8 linear path (`--quantization int8`): rotations, kernels, and the model it gives."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.model import native, quant
+from kvserve.model.attention import build_metadata
+from kvserve.model.kv_cache import KVCache
+from kvserve.model.llama import LayerWeights, LlamaModel
+from kvserve.model.safetensors import SafetensorsCheckpoint
+from tests.model.helpers import Chunk, greedy_continuation
+from tests.model.test_safetensors import save_tiny, tiny_config
+
+CPU = torch.device("cpu")
+
+needs_kernels = pytest.mark.skipif(
+    not native.int8_gemm_available(), reason="needs the C kernels and AVX512-VNNI"
+)
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based ink and a wooden screw press into a "
+    "system that could produce books quickly and cheaply. Within a few decades, printing "
+    "shops had spread to more than two hundred cities across Europe. The new technology "
+    "lowered the cost of books, encouraged literacy, and allowed scholars to share ideas "
+    "far more widely than before. Scientists could compare observations, reformers could "
+    "spread their arguments, and merchants could print price lists and contracts. Historians "
+    "often describe the period that followed as a communications revolution, comparable in "
+    "its effects to the arrival of the internet in our own time."
+)
+
+
+# -- rotations ----------------------------------------------------------------------------------
+
+
+def test_hadamard_is_symmetric_and_orthogonal():
+    for n in (1, 2, 16, 64, 512):
+        h = quant.hadamard(n)
+        assert torch.allclose(h, h.t())
+        assert torch.allclose(h @ h.t(), torch.eye(n, dtype=torch.float64), atol=1e-12)
+
+
+@pytest.mark.parametrize("hidden", [576, 64, 96, 4096])
+def test_residual_rotation_is_orthogonal_and_applies_as_its_matrix(hidden):
+    rotation = quant.residual_rotation(hidden)
+    matrix = rotation.matrix()
+    assert matrix.shape == (hidden, hidden)
+    assert torch.allclose(matrix @ matrix.t(), torch.eye(hidden), atol=1e-5)
+    w = torch.randn(7, hidden)
+    assert torch.allclose(rotation.right(w), w @ matrix, atol=1e-4)
+    w = torch.randn(hidden, 5)
+    assert torch.allclose(rotation.left_transposed(w), matrix.t() @ w, atol=1e-4)
+    # fixed: the same checkpoint always quantizes the same way
+    assert torch.equal(quant.residual_rotation(hidden).matrix(), matrix)
+
+
+def test_block_hadamard_and_down_block():
+    assert quant.down_block(1536) == 512
+    assert quant.down_block(14336) == 2048
+    assert quant.down_block(112) == 16
+    assert quant.down_block(99) == 1
+    rotation = quant.block_hadamard(1536, 512)
+    dense = torch.block_diag(*[quant.hadamard(512).float()] * 3)
+    w = torch.randn(4, 1536)
+    assert torch.allclose(rotation.right(w), w @ dense, atol=1e-4)
+
+
+def _random_layer(config, bias: bool) -> LayerWeights:
+    g = torch.Generator().manual_seed(1)
+    h, q, kv, i = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    return LayerWeights(
+        attn_norm=1 + 0.3 * torch.randn(h, generator=g),
+        qkv=torch.randn(q + 2 * kv, h, generator=g),
+        qkv_bias=torch.randn(q + 2 * kv, generator=g) if bias else None,
+        qk_norm=None,
+        o=torch.randn(h, q, generator=g),
+        mlp_norm=1 + 0.3 * torch.randn(h, generator=g),
+        gate_up=torch.randn(2 * i, h, generator=g),
+        down=torch.randn(h, i, generator=g),
+    )
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_rotated_layer_computes_the_same_function(bias):
+    """Every product of a rotated layer, fed rotated inputs, gives the original product's output
+    (q and k unchanged, values rotated per head, residual writes rotated by R)."""
+    config = SimpleNamespace(
+        hidden_size=96, head_dim=16, num_heads=6, num_kv_heads=2, intermediate_size=192
+    )
+    config.q_size, config.kv_size = 6 * 16, 2 * 16
+    layer = _random_layer(config, bias)
+    residual = quant.residual_rotation(96)
+    block = quant.down_block(192)
+    rotated = quant.rotate_layer(config, layer, residual, block)
+    r = residual.matrix()
+    per_head = torch.block_diag(*[quant.hadamard(16).float()] * 2)
+    x = torch.randn(5, 96)
+
+    normed = F.rms_norm(x, (96,), layer.attn_norm, 1e-6)
+    expect = F.linear(normed, layer.qkv, layer.qkv_bias)
+    got = F.linear(F.rms_norm(x @ r, (96,), None, 1e-6), rotated.qkv, rotated.qkv_bias)
+    split = config.q_size + config.kv_size
+    assert torch.allclose(got[:, :split], expect[:, :split], atol=1e-3)
+    assert torch.allclose(got[:, split:], expect[:, split:] @ per_head, atol=1e-3)
+
+    a = torch.randn(5, config.q_size)  # attention output, before and after the value rotation
+    a_rotated = a @ torch.block_diag(*[quant.hadamard(16).float()] * 6)
+    assert torch.allclose(a_rotated @ rotated.o.t(), (a @ layer.o.t()) @ r, atol=1e-3)
+
+    normed = F.rms_norm(x, (96,), layer.mlp_norm, 1e-6)
+    got = F.rms_norm(x @ r, (96,), None, 1e-6) @ rotated.gate_up.t()
+    assert torch.allclose(got, normed @ layer.gate_up.t(), atol=1e-3)
+
+    m = torch.randn(5, 192)
+    m_rotated = m @ torch.block_diag(*[quant.hadamard(block).float()] * (192 // block))
+    assert torch.allclose(m_rotated @ rotated.down.t(), (m @ layer.down.t()) @ r, atol=1e-3)
+
+
+def test_weight_quantization_is_per_output_channel():
+    w = torch.randn(10, 32) * torch.linspace(0.01, 10, 10)[:, None]
+    w[3] = 0
+    q = quant.Int8Weight.quantize(w)
+    scale = q.scale
+    assert q.out_features == 10 and scale[3] == 1.0
+    weight = q.weight if q.panels is None else None
+    if weight is not None:
+        assert weight.abs().max() == 127
+        assert torch.allclose(weight.float() * scale[:, None], w, atol=float(scale.max()) / 2)
+    x = torch.randint(-127, 128, (3, 32), dtype=torch.int8)
+    expect = x.long() @ torch.round(w / scale[:, None]).long().t()
+    assert torch.equal(q.matmul(x).long(), expect)
+
+
+# -- kernels ------------------------------------------------------------------------------------
+
+
+def _check_quantized(q, scales, expect):
+    """q * scale reproduces `expect` within half a step, every row's largest value is +-127."""
+    assert q.dtype == torch.int8 and scales.dtype == torch.float32
+    top = expect.abs().amax(dim=1)
+    assert torch.allclose(scales, top / 127, rtol=1e-5, atol=1e-12)
+    error = (q.float() * scales[:, None] - expect).abs()
+    assert bool((error <= scales[:, None] * 0.5 * (1 + 1e-4) + 1e-6).all())
+    nonzero = top > 0
+    assert bool((q.abs().amax(dim=1)[nonzero] == 127).all())
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows(dtype):
+    x = torch.randn(9, 576).to(dtype)
+    x[4] = 0
+    q, scales = native.quantize_rows(x)
+    _check_quantized(q, scales, x.float())
+    assert scales[4] == 0 and not q[4].any()
+    strided = torch.randn(9, 700).to(dtype)[:, :576]
+    q, scales = native.quantize_rows(strided)
+    _check_quantized(q, scales, strided.float())
+
+
+@needs_kernels
+def test_add_rmsnorm_q8():
+    x = torch.randn(10, 576)
+    acc = torch.randint(-(2**20), 2**20, (10, 576), dtype=torch.int32)
+    rows, cols = torch.rand(10) * 1e-6, torch.rand(576)
+    expect_x = x + acc.float() * rows[:, None] * cols
+    q, scales = native.add_rmsnorm_q8(x, acc, rows, cols, 1e-5)
+    assert torch.allclose(x, expect_x, rtol=1e-6, atol=1e-6)
+    _check_quantized(q, scales, F.rms_norm(expect_x, (576,), None, 1e-5))
+    before = x.clone()
+    assert native.add_rmsnorm_q8(x, None, None, None, 1e-5, normalize=False) is None
+    assert torch.equal(x, before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("block", [1, 16, 64, 512])
+def test_silu_mul_q8_rotates_by_hadamard_blocks(block):
+    rows, width = 11, 1536
+    acc = torch.randint(-(2**16), 2**16, (rows, 2 * width), dtype=torch.int32)
+    row_scales, col_scales = torch.rand(rows) * 1e-3, torch.rand(2 * width)
+    values = acc.float() * row_scales[:, None] * col_scales
+    gate, up = values[:, :width], values[:, width:]
+    expect = (F.silu(gate) * up).view(rows, -1, block) @ quant.hadamard(block).float()
+    q, scales = native.silu_mul_q8(acc, row_scales, col_scales, block)
+    _check_quantized(q, scales, expect.reshape(rows, width))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize(dtype):
+    acc = torch.randint(-(2**20), 2**20, (6, 960), dtype=torch.int32)
+    rows, cols, bias = torch.rand(6), torch.rand(960) * 1e-4, torch.randn(960)
+    for b in (None, bias):
+        expect = acc.float() * rows[:, None] * cols + (0 if b is None else b)
+        got = native.dequantize(acc, rows, cols, b, dtype)
+        assert got.dtype == dtype
+        assert torch.allclose(got.float(), expect, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+@needs_kernels
+def test_rotate_rows_is_a_product_that_ignores_batch_mates():
+    x, m = torch.randn(37, 576), torch.randn(576, 576) / 24
+    got = native.rotate_rows(x, m)
+    assert torch.allclose(got, x @ m, atol=1e-4)
+    for i in (0, 17, 36):
+        assert torch.equal(native.rotate_rows(x[i : i + 1].contiguous(), m)[0], got[i])
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    [(1, 960, 576), (5, 100, 64), (12, 576, 1536), (13, 576, 576), (64, 3072, 576), (7, 64, 4)],
+)
+def test_int8_gemm_is_exact(rows, n, k):
+    g = torch.Generator().manual_seed(rows * n + k)
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    a = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8)
+    panels, correction = native.pack_int8_weight(w)
+    got = native.int8_gemm(a, panels, correction, n)
+    assert torch.equal(got.long(), a.long() @ w.long().t())
+    # a row's result does not depend on the rows beside it
+    assert torch.equal(native.int8_gemm(a[-1:].contiguous(), panels, correction, n)[0], got[-1])
+
+
+@needs_kernels
+def test_topk_rows():
+    x = torch.randn(5, 1000)
+    x[1, 500:510] = 10.0  # ties: the lower columns first
+    x[2, 7] = float("nan")  # never selected
+    got = native.topk_rows(x, 16)
+    for r in (0, 3, 4):
+        assert torch.equal(x[r, got[r]], x[r].topk(16).values)
+    assert got[1, :10].tolist() == list(range(500, 510))
+    assert 7 not in got[2].tolist()
+    assert torch.equal(native.topk_rows(x, 1)[:, 0], torch.nan_to_num(x, nan=-1e9).argmax(1))
+
+
+# -- the model ----------------------------------------------------------------------------------
+
+
+def _all_logits(model, ids: list[int]) -> torch.Tensor:
+    blocks = list(range(-(-len(ids) // 32)))
+    cache = KVCache(model.config, len(blocks), 32, model.dtype, CPU)
+    meta = build_metadata([Chunk(0, len(ids), blocks, True)], 32, CPU, native=model.native)
+    meta.logits_indices = torch.arange(len(ids))
+    return model.forward(torch.tensor(ids), meta, cache).float()
+
+
+def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    targets = torch.tensor(ids[1:])
+    nll = -logits[:-1].log_softmax(-1).gather(1, targets[:, None]).mean()
+    return math.exp(float(nll))
+
+
+@needs_kernels
+def test_int8_model_follows_float32(loaded_fp32, loaded_int8):
+    """On English text the int8 model predicts nearly what the float32 model does: the same
+    next token at >= 90% of positions and a perplexity within 3%."""
+    ids = loaded_fp32.tokenizer.encode(TEXT)
+    assert len(ids) >= 120
+    exact = _all_logits(loaded_fp32.model, ids)
+    int8 = _all_logits(loaded_int8.model, ids)
+    agree = (exact.argmax(-1) == int8.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, agree
+    ratio = _perplexity(int8, ids) / _perplexity(exact, ids)
+    assert ratio < 1.03, ratio
+
+
+@needs_kernels
+def test_int8_model_answers_paris(loaded_int8):
+    tokenizer = loaded_int8.tokenizer
+    ids = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    text = tokenizer.decode(greedy_continuation(loaded_int8.model, ids, 16))
+    assert "Paris" in text
+
+
+@needs_kernels
+def test_int8_model_is_smaller_and_says_so(loaded_default, loaded_int8):
+    assert loaded_int8.model.quantization == "int8"
+    assert loaded_int8.model.num_bytes < loaded_default.model.num_bytes
+    assert "+ int8" in loaded_int8.summary()
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int8_tiny_checkpoints_follow_float32(tmp_path, arch):
+    """Other shapes (hidden 128, one KV head, q/k/v biases for qwen2, a 112-wide MLP whose
+    down_proj input rotates in blocks of 16): int8 logits stay close to float32's."""
+    config = tiny_config(
+        arch, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64
+    )
+    save_tiny(tmp_path, config)
+    checkpoint = SafetensorsCheckpoint(tmp_path)
+    ids = list(range(3, 60))
+    logits = {}
+    for quantization in ("none", "int8"):
+        model = LlamaModel.from_tensors(
+            checkpoint.config,
+            checkpoint.get,
+            dtype=torch.float32,
+            device=CPU,
+            quantization=quantization,
+        )
+        logits[quantization] = _all_logits(model, ids)
+    exact, int8 = logits["none"], logits["int8"]
+    cosine = F.cosine_similarity(
+        exact - exact.mean(-1, keepdim=True), int8 - int8.mean(-1, keepdim=True), dim=-1
+    )
+    assert float(cosine.min()) > 0.99
+
+
+def test_int8_refuses_models_without_the_fused_path(tmp_path):
+    config = tiny_config("qwen3")  # q/k norms: no fused kernels
+    save_tiny(tmp_path, config)
+    checkpoint = SafetensorsCheckpoint(tmp_path)
+    with pytest.raises(ValueError, match="--quantization int8"):
+        LlamaModel.from_tensors(
+            checkpoint.config,
+            checkpoint.get,
+            dtype=torch.float32,
+            device=CPU,
+            quantization="int8",
+        )
+
+
+def test_unknown_quantization_is_refused():
+    from kvserve.config import DeviceConfig
+
+    with pytest.raises(ValueError, match="unknown quantization 'fp4'"):
+        DeviceConfig(quantization="fp4")
+
+
+def test_cli_flag_reaches_the_device_config():
+    import argparse
+
+    from kvserve.cli import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--quantization", "int8"])
+    assert engine_config_from_args(args).device.quantization == "int8"
+    assert engine_config_from_args(parser.parse_args([])).device.quantization == "none"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int4"])
