@@ -29,6 +29,7 @@ def env_default(flag: str, default, cast=str):
 
 
 QUANTIZATIONS = ("none", "int8")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +55,15 @@ class CacheConfig:
     block_size: int = 32
     num_kv_blocks: int | None = None  # explicit pool size; wins over kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for K and V of all layers; None = derived
+    kv_cache_dtype: str = (
+        "auto"  # "auto" (the model's dtype) | "int8" (kvserve/model/csrc/kv_int8.c)
+    )
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r} (use {' or '.join(KV_CACHE_DTYPES)})"
+            )
         if self.block_size <= 0:
             raise ValueError("block_size must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

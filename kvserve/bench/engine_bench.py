@@ -82,12 +82,15 @@ def measure_engine(
     input_len: int = 128,
     output_len: int = 128,
     max_num_seqs: int = 64,
+    kv_cache_dtype: str = "auto",
 ) -> EngineBenchResult:
     num = max(4, 2 * concurrency)
     prompts = bench_prompts(loaded, num, input_len)
     blocks_per_seq = -(-(input_len + output_len) // 32)
     config = EngineConfig(
-        cache=CacheConfig(num_kv_blocks=max_num_seqs * blocks_per_seq + 8),
+        cache=CacheConfig(
+            num_kv_blocks=max_num_seqs * blocks_per_seq + 8, kv_cache_dtype=kv_cache_dtype
+        ),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
     )
 
@@ -142,10 +145,11 @@ def run_engine_bench(
     concurrencies: tuple[int, ...] = (1, 8, 32, 64),
     *,
     reference=None,
+    kv_cache_dtype: str = "auto",
 ) -> list[EngineBenchResult]:
     results = []
     for concurrency in concurrencies:
-        result = measure_engine(loaded, concurrency)
+        result = measure_engine(loaded, concurrency, kv_cache_dtype=kv_cache_dtype)
         if reference is not None:
             prompts = bench_prompts(loaded, result.num_requests, 128)
             result.reference_output_tok_s = device_thread.call(

@@ -40,6 +40,7 @@ from kvserve.engine.batch import Batch, StepOutput
 from kvserve.engine.stream import Delta, Stream, TokenLogprob, Usage
 from kvserve.model import device_thread
 from kvserve.model.kv_cache import KVCache, PoolSize, choose_pool_size
+from kvserve.model.llama import KV_INT8_REQUIREMENTS
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.request import (
     EngineError,
@@ -158,10 +159,15 @@ class Engine:
         if config.scheduler.max_model_len is not None:
             model_len = min(model_len, config.scheduler.max_model_len)
         self.max_model_len = model_len
+        cache_dtype = self.loaded.dtype
+        if config.cache.kv_cache_dtype == "int8":
+            if not self.loaded.model.supports_int8_kv_cache:
+                raise ValueError(KV_INT8_REQUIREMENTS)
+            cache_dtype = torch.int8
         self.pool_size: PoolSize = choose_pool_size(
             self.model_config,
             block_size=config.cache.block_size,
-            dtype=self.loaded.dtype,
+            dtype=cache_dtype,
             device=self.loaded.device,
             max_num_seqs=config.scheduler.max_num_seqs,
             max_model_len=model_len,
@@ -174,7 +180,7 @@ class Engine:
             self.model_config,
             self.pool_size.num_blocks,
             config.cache.block_size,
-            self.loaded.dtype,
+            cache_dtype,
             self.loaded.device,
         )
         self.pool = BlockPool(self.pool_size.num_blocks, config.cache.block_size)

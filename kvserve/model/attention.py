@@ -162,18 +162,22 @@ def paged_attention(
     scale: float,
     native: bool = False,
     store: bool = True,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache (unless `store` is False: the caller already
     did), then attend. Returns `[rows, heads * head_dim]`.
 
     q: [rows, heads, head_dim]; k, v: [rows, kv_heads, head_dim];
     kv_layer: [2, kv_heads, num_blocks, block_size, head_dim] (this layer's cache).
-    `native` selects the C kernel (CPU, fp32/bf16) for every row.
+    `native` selects the C kernel (CPU, fp32/bf16) for every row. An int8 cache (`kv_scales`
+    given) is native only, and written by the caller (native.rope_store).
     """
     rows, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     _, _, num_blocks, block_size, _ = kv_layer.shape
+    if kv_scales is not None and (store or not native):
+        raise ValueError("the int8 KV cache is written and read by the CPU kernels only")
     # flat: [2, kv_heads, num_blocks * block_size, head_dim]
     if store:
         flat = kv_layer.view(2, num_kv_heads, num_blocks * block_size, head_dim)
@@ -185,7 +189,14 @@ def paged_attention(
         from kvserve.model import native as kernels
 
         kernels.paged_attention(
-            q, kv_layer, meta.chunk_tables, meta.row_lengths, out, scale, meta.row_tables
+            q,
+            kv_layer,
+            meta.chunk_tables,
+            meta.row_lengths,
+            out,
+            scale,
+            meta.row_tables,
+            kv_scales=kv_scales,
         )
         return out.view(rows, num_heads * head_dim)
     if not meta.torch_path:

@@ -45,7 +45,10 @@ class PoolSize:
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    per_token = config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    if dtype == torch.int8:  # plus a float32 scale per K and V row of each head
+        per_token += 2 * config.num_layers * config.num_kv_heads * 4
+    return block_size * per_token
 
 
 def available_memory(device: torch.device) -> int:
@@ -95,7 +98,11 @@ def choose_pool_size(
 
 
 class KVCache:
-    """K and V for all layers in one tensor; see the module docstring for the layout."""
+    """K and V for all layers in one tensor; see the module docstring for the layout.
+
+    With dtype int8, each K and V row of a head at a position is stored as 8-bit integers with
+    a float32 scale in `scales` ([layers, 2, kv_heads, num_blocks, block_size]); only the CPU
+    kernels read and write that form (kvserve/model/csrc/kv_int8.c)."""
 
     def __init__(
         self,
@@ -121,11 +128,25 @@ class KVCache:
             dtype=dtype,
             device=device,
         )
+        self.scales: torch.Tensor | None = None
+        if dtype == torch.int8:
+            self.scales = torch.zeros(self.kv.shape[:-1], dtype=torch.float32, device=device)
+
+    @property
+    def quantized(self) -> bool:
+        return self.scales is not None
 
     def layer(self, index: int) -> torch.Tensor:
         """`[2, kv_heads, num_blocks, block_size, head_dim]` for one layer (a view)."""
         return self.kv[index]
 
+    def layer_scales(self, index: int) -> torch.Tensor | None:
+        """`[2, kv_heads, num_blocks, block_size]` float32 for one layer of an int8 cache."""
+        return None if self.scales is None else self.scales[index]
+
     @property
     def num_bytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        total = self.kv.numel() * self.kv.element_size()
+        if self.scales is not None:
+            total += self.scales.numel() * self.scales.element_size()
+        return total

@@ -22,6 +22,11 @@ from kvserve.model.quant import Int8Weights, quantize_model
 # A loader hands tensors over by Hugging Face name, already in HF layout ([out, in], un-permuted).
 TensorSource = Callable[[str], torch.Tensor | None]
 
+KV_INT8_REQUIREMENTS = (
+    "--kv-cache-dtype int8 runs on the CPU kernels (needs a C compiler, a CPU with AVX512-VNNI, "
+    "float32 or bfloat16, and a model without q/k norms)"
+)
+
 # Candidates per row whose logits are recomputed in float32 when the weights are bf16/fp16.
 REFINE_TOP_K = 16
 
@@ -78,6 +83,14 @@ class LlamaModel:
             self._quantize_int8()
         elif quantization != "none":
             raise ValueError(f"unknown quantization {quantization!r} (use none or int8)")
+
+    @property
+    def supports_int8_kv_cache(self) -> bool:
+        """Whether this model can run on an int8 KV cache (the fused CPU path writes and reads
+        it; kvserve/model/csrc/kv_int8.c)."""
+        from kvserve.model import native
+
+        return self.fused and native.kv_int8_available()
 
     def _quantize_int8(self) -> None:
         """Replace the linear layers by rotated int8 ones (kvserve/model/quant.py). The float
@@ -209,6 +222,8 @@ class LlamaModel:
         its activations): only matmul inputs are cast down. With bf16 weights on a small model
         the difference decides greedy choices between near-tied tokens.
         """
+        if kv_cache.quantized and not self.supports_int8_kv_cache:
+            raise ValueError(KV_INT8_REQUIREMENTS)
         if self.int8 is not None:
             return self._forward_int8(token_ids, meta, kv_cache)
         if self.fused and self.native:
@@ -281,6 +296,7 @@ class LlamaModel:
                 num_heads,
                 num_kv_heads,
                 head_dim,
+                kv_cache.layer_scales(index),
             )
             attn = paged_attention(
                 qkv[:, :q_size].view(rows, num_heads, head_dim),
@@ -291,6 +307,7 @@ class LlamaModel:
                 self.scale,
                 native=True,
                 store=False,
+                kv_scales=kv_cache.layer_scales(index),
             )
             h = native.add_rmsnorm(x, o_proj(attn), layer.mlp_norm, eps, dtype)
             down = down_proj(native.silu_mul(gate_up_proj(h)))
@@ -333,6 +350,7 @@ class LlamaModel:
                 num_heads,
                 num_kv_heads,
                 head_dim,
+                kv_cache.layer_scales(index),
             )
             attn = paged_attention(
                 qkv[:, :q_size].view(rows, num_heads, head_dim),
@@ -343,6 +361,7 @@ class LlamaModel:
                 self.scale,
                 native=True,
                 store=False,
+                kv_scales=kv_cache.layer_scales(index),
             )
             q, s = native.quantize_rows(attn.view(rows, q_size))
             q, s = native.add_rmsnorm_q8(x, layer.o.matmul(q), s, layer.o.scale, eps)

@@ -29,6 +29,7 @@ SOURCES = [
     CSRC / "layer_ops.c",
     CSRC / "quant_ops.c",
     CSRC / "int8_gemm.c",
+    CSRC / "kv_int8.c",
 ]
 HEADER = CSRC / "common.h"
 # -fno-math-errno / -fno-trapping-math (not -ffast-math: no reassociation, NaN and infinity keep
@@ -117,6 +118,11 @@ def library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = args
         fn.restype = ctypes.c_int
+    # the int8 cache: its scales follow the cache pointer
+    for name in ("kvserve_paged_decode_q8_f32", "kvserve_paged_decode_q8_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [*args[:3], ctypes.c_void_p, *args[3:]]
+        fn.restype = ctypes.c_int
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     signatures = {
         "kvserve_add_rmsnorm": [p, p, p, p, i64, i64, f32, i32],
@@ -133,6 +139,12 @@ def library() -> ctypes.CDLL | None:
     lib.kvserve_add_rmsnorm_q8.argtypes = [p, p, p, p, p, p, i64, i64, f32, i32]
     lib.kvserve_silu_mul_q8.argtypes = [p, p, p, p, p, i64, i64, i64, i32]
     lib.kvserve_rotate_rows.argtypes = [p, p, p, i64, i64, i32]
+    for suffix in ("_f32", "_bf16"):
+        fn = getattr(lib, "kvserve_rope_store_q8" + suffix)
+        fn.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i32]
+        fn.restype = None
+    lib.kvserve_kv_int8_available.argtypes = []
+    lib.kvserve_kv_int8_available.restype = ctypes.c_int
     lib.kvserve_topk_rows.argtypes = [p, i64, i64, i64, p, i32]
     lib.kvserve_topk_rows.restype = None
     lib.kvserve_int8_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32]
@@ -169,12 +181,14 @@ def paged_attention(
     out: torch.Tensor,
     scale: float,
     row_tables: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """out[i] = attention of q[i] over positions 0..lengths[i]-1 of row i's sequence, whose
     block table is `block_tables[row_tables[i]]` (or `block_tables[i]` without `row_tables`).
 
     q: [rows, heads, head_dim] (rows may be strided, heads and head_dim contiguous);
-    kv_layer: [2, kv_heads, num_blocks, block_size, head_dim] contiguous;
+    kv_layer: [2, kv_heads, num_blocks, block_size, head_dim] contiguous, in q's dtype, or int8
+    with `kv_scales` [2, kv_heads, num_blocks, block_size] float32 (kvserve/model/csrc/kv_int8.c);
     block_tables: [tables, width] int64 contiguous; lengths, row_tables: [rows] int64;
     out: [rows, heads, head_dim] with contiguous heads and head_dim.
     """
@@ -183,11 +197,17 @@ def paged_attention(
     _, num_kv_heads, num_blocks, block_size, _ = kv_layer.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim
     assert out.stride(2) == 1 and out.stride(1) == head_dim
-    fn = lib.kvserve_paged_decode_f32 if q.dtype == torch.float32 else lib.kvserve_paged_decode_bf16
-    status = fn(
+    cache = [kv_layer.data_ptr()]
+    if kv_scales is not None:
+        assert kv_layer.dtype == torch.int8 and kv_scales.dtype == torch.float32
+        name = "kvserve_paged_decode_q8" + _suffix(q)
+        cache.append(kv_scales.data_ptr())
+    else:
+        name = "kvserve_paged_decode" + _suffix(q)
+    status = getattr(lib, name)(
         q.data_ptr(),
         q.stride(0),
-        kv_layer.data_ptr(),
+        *cache,
         block_tables.data_ptr(),
         block_tables.shape[1],
         None if row_tables is None else row_tables.data_ptr(),
@@ -265,23 +285,31 @@ def rope_store(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Rotate the q and k heads of `qkv` in place and write k and v into the cache.
 
     qkv: [rows, (heads + 2 kv_heads) * head_dim] contiguous; positions, slots: [rows] int64;
     cos_half, sin_half: [max_positions, head_dim / 2] float32;
-    kv_layer: [2, kv_heads, num_blocks, block_size, head_dim] contiguous.
+    kv_layer: [2, kv_heads, num_blocks, block_size, head_dim] contiguous, in qkv's dtype, or int8
+    with `kv_scales` [2, kv_heads, num_blocks, block_size] float32 (each K and V row quantized
+    with its own scale; see kvserve/model/csrc/kv_int8.c).
     """
     rows = qkv.shape[0]
     num_slots = kv_layer.shape[2] * kv_layer.shape[3]
-    fn = getattr(library(), "kvserve_rope_store" + _suffix(qkv))
+    if kv_scales is not None:
+        fn = getattr(library(), "kvserve_rope_store_q8" + _suffix(qkv))
+        cache = [kv_layer.data_ptr(), kv_scales.data_ptr()]
+    else:
+        fn = getattr(library(), "kvserve_rope_store" + _suffix(qkv))
+        cache = [kv_layer.data_ptr()]
     fn(
         qkv.data_ptr(),
         positions.data_ptr(),
         cos_half.data_ptr(),
         sin_half.data_ptr(),
         slots.data_ptr(),
-        kv_layer.data_ptr(),
+        *cache,
         rows,
         num_heads,
         num_kv_heads,
@@ -289,6 +317,12 @@ def rope_store(
         num_slots,
         torch.get_num_threads(),
     )
+
+
+def kv_int8_available() -> bool:
+    """Whether the int8 KV cache kernels were built (the CPU has AVX512-VNNI)."""
+    lib = library()
+    return lib is not None and bool(lib.kvserve_kv_int8_available())
 
 
 # -- the int8 linear path (kvserve/model/quant.py) ----------------------------------------------

@@ -24,9 +24,10 @@ def make_config(
     buffer: int = 256,
     max_model_len: int | None = 2048,
     admission: str = "reserve",
+    kv_cache_dtype: str = "auto",
 ) -> EngineConfig:
     return EngineConfig(
-        cache=CacheConfig(block_size=32, num_kv_blocks=blocks),
+        cache=CacheConfig(block_size=32, num_kv_blocks=blocks, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(
             max_num_seqs=slots,
             max_model_len=max_model_len,

@@ -244,9 +244,9 @@ def test_topk_rows():
 # -- the model ----------------------------------------------------------------------------------
 
 
-def _all_logits(model, ids: list[int]) -> torch.Tensor:
+def _all_logits(model, ids: list[int], cache_dtype: torch.dtype | None = None) -> torch.Tensor:
     blocks = list(range(-(-len(ids) // 32)))
-    cache = KVCache(model.config, len(blocks), 32, model.dtype, CPU)
+    cache = KVCache(model.config, len(blocks), 32, cache_dtype or model.dtype, CPU)
     meta = build_metadata([Chunk(0, len(ids), blocks, True)], 32, CPU, native=model.native)
     meta.logits_indices = torch.arange(len(ids))
     return model.forward(torch.tensor(ids), meta, cache).float()

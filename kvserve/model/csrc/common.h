@@ -46,4 +46,25 @@ static inline float exp_approx(float x) {
     return y * scale;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* r[i] = sum of the 16 lanes of v[i], for 16 vectors at once (a transpose by shuffles: about 3
+ * instructions per sum instead of the 8 of one horizontal reduction). */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    const __m512 a = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44),
+                                   _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    const __m512 b = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44),
+                                   _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+#endif
+
 #endif

@@ -24,23 +24,6 @@
 #include <immintrin.h>
 #define HAVE_BF16_DOT 1
 
-/* r[i] = sum of the 16 lanes of v[i], for 16 vectors at once (a transpose by shuffles: about 3
- * instructions per sum instead of the 8 of one horizontal reduction). */
-static inline __m512 sum16(const __m512 v[16]) {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++)
-        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-    const __m512 a = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44),
-                                   _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
-    const __m512 b = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44),
-                                   _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-}
-
 /* Scores of `group` bf16 query rows against `n` bf16 key rows of one block, with the CPU's
  * bf16 dot-product instruction: products are exact in float32 and summed in float32, as the
  * generic path does after converting, but without the conversion. Keys go 16 at a time, their

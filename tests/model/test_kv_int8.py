@@ -1,0 +1,234 @@
+"""The int8 KV cache (`--kv-cache-dtype int8`): its kernels, and the model and engine on it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.config import CacheConfig
+from kvserve.model import native
+from kvserve.model.kv_cache import KVCache, bytes_per_block, choose_pool_size
+from tests.engine.helpers import collect, make_config, request, run_engine, tokens_of
+from tests.engine.test_engine import chat_ids
+from tests.model.test_quant import TEXT, _all_logits, _perplexity
+
+CPU = torch.device("cpu")
+
+needs_kernels = pytest.mark.skipif(
+    not native.kv_int8_available(), reason="needs the C kernels and AVX512-VNNI"
+)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def dequantized(kv: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float K and V an int8 cache layer holds ([2, kv_heads, blocks, block, head_dim])."""
+    k = (kv[0].view(torch.uint8).int() - 128).float()  # K bytes are stored biased by 128
+    v = kv[1].float()
+    return torch.stack([k, v]) * scales[..., None]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_q8_rotates_like_rope_store_and_quantizes_each_row(dtype):
+    heads, kv_heads, head_dim, rows = 4, 2, 64, 6
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen(1)).to(dtype)
+    positions = torch.tensor([0, 1, 2, 40, 41, 300])
+    slots = torch.tensor([5, 6, 7, 70, 71, 99])
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(512).float(), inv)
+    cos, sin = angles.cos(), angles.sin()
+
+    expect_qkv = qkv.clone()
+    reference = torch.zeros(2, kv_heads, 4, 32, head_dim, dtype=dtype)
+    native.rope_store(expect_qkv, positions, cos, sin, slots, reference, heads, kv_heads, head_dim)
+
+    kv = torch.zeros(2, kv_heads, 4, 32, head_dim, dtype=torch.int8)
+    scales = torch.zeros(2, kv_heads, 4, 32)
+    native.rope_store(qkv, positions, cos, sin, slots, kv, heads, kv_heads, head_dim, scales)
+    assert torch.equal(qkv, expect_qkv)
+
+    want = reference.float().view(2, kv_heads, 128, head_dim)[:, :, slots]
+    got = dequantized(kv, scales).view(2, kv_heads, 128, head_dim)[:, :, slots]
+    step = scales.view(2, kv_heads, 128)[:, :, slots]
+    assert torch.allclose(step, want.abs().amax(-1) / 127, rtol=1e-6)
+    assert bool(((got - want).abs() <= step[..., None] * 0.5 * (1 + 1e-4) + 1e-7).all())
+    untouched = torch.ones(128, dtype=torch.bool)
+    untouched[slots] = False
+    assert kv.view(2, kv_heads, 128, head_dim)[:, :, untouched].abs().max() == 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [8, 6])  # groups of 4 (registers) and of 3
+def test_int8_paged_attention_matches_sdpa_on_the_dequantized_cache(dtype, head_dim, heads):
+    kv_heads, block_size, num_blocks = 2, 32, 12
+    kv = torch.randint(-127, 128, (2, kv_heads, num_blocks, block_size, head_dim), dtype=torch.int8)
+    scales = torch.rand(2, kv_heads, num_blocks, block_size, generator=gen(2)) / 40
+    lengths = torch.tensor([1, 33, 70, 96])
+    tables = torch.tensor([[3, 0, 0], [7, 1, 0], [2, 9, 4], [11, 5, 6]])
+    q = torch.randn(4, heads, head_dim, generator=gen(3)).to(dtype)
+    out = torch.empty_like(q)
+    native.paged_attention(q, kv, tables, lengths, out, head_dim**-0.5, kv_scales=scales)
+    cache = dequantized(kv, scales)
+    for i in range(4):
+        n = int(lengths[i])
+        keys = cache[:, :, tables[i]].flatten(2, 3)[:, :, :n]  # [2, kv_heads, n, d]
+        k = keys[0].repeat_interleave(heads // kv_heads, 0)
+        v = keys[1].repeat_interleave(heads // kv_heads, 0)
+        expect = F.scaled_dot_product_attention(q[i].float()[:, None], k, v)[:, 0]
+        # the query is quantized per head too: scores carry ~1% error
+        error = (out[i].float() - expect).abs().max() / expect.abs().max()
+        assert error < 0.03, error
+
+
+def test_int8_cache_holds_scales_and_counts_them():
+    from kvserve.model.config import ModelConfig
+
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=10,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    cache = KVCache(config, 3, 32, torch.int8, CPU)
+    assert cache.quantized and cache.layer_scales(1).shape == (2, 1, 3, 32)
+    assert cache.num_bytes == 3 * bytes_per_block(config, 32, torch.int8)
+    # about half of bf16: 64 bytes and a 4-byte scale per row instead of 128 bytes
+    assert (
+        bytes_per_block(config, 32, torch.int8) * 128
+        == bytes_per_block(config, 32, torch.bfloat16) * 68
+    )
+    sized = choose_pool_size(
+        config,
+        block_size=32,
+        dtype=torch.int8,
+        device=CPU,
+        max_num_seqs=1,
+        max_model_len=64,
+        kv_cache_memory=2**20,
+    )
+    bf16 = choose_pool_size(
+        config,
+        block_size=32,
+        dtype=torch.bfloat16,
+        device=CPU,
+        max_num_seqs=1,
+        max_model_len=64,
+        kv_cache_memory=2**20,
+    )
+    assert sized.num_blocks > 1.8 * bf16.num_blocks
+    assert not KVCache(config, 3, 32, torch.bfloat16, CPU).quantized
+
+
+def test_unknown_kv_cache_dtype_is_refused():
+    with pytest.raises(ValueError, match="unknown kv_cache_dtype 'fp8'"):
+        CacheConfig(kv_cache_dtype="fp8")
+
+
+def _follows_float32(loaded, loaded_fp32) -> None:
+    """On English text, the model on an int8 cache predicts the float32 model's next token at
+    >= 90% of positions, with a perplexity within 3%."""
+    ids = loaded_fp32.tokenizer.encode(TEXT)
+    exact = _all_logits(loaded_fp32.model, ids)
+    got = _all_logits(loaded.model, ids, cache_dtype=torch.int8)
+    agree = (exact.argmax(-1) == got.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, agree
+    ratio = _perplexity(got, ids) / _perplexity(exact, ids)
+    assert ratio < 1.03, ratio
+
+
+@needs_kernels
+def test_bf16_model_on_int8_cache_follows_float32(loaded_default, loaded_fp32):
+    _follows_float32(loaded_default, loaded_fp32)
+
+
+@needs_kernels
+def test_int8_model_on_int8_cache_follows_float32(loaded_int8, loaded_fp32):
+    _follows_float32(loaded_int8, loaded_fp32)
+
+
+@needs_kernels
+def test_engine_on_int8_cache_is_batch_invariant_and_answers(loaded_int8):
+    """int8 linear layers on an int8 cache: every row is computed alone, so greedy tokens in a
+    batch equal those run alone; and the answer is still right."""
+    prompts = [
+        chat_ids(loaded_int8, p)
+        for p in (
+            "What is the capital of France?",
+            "Name three colours.",
+            "Write a haiku about rain.",
+            "What is 12 times 12?",
+            "Who wrote Hamlet?",
+            "Describe a cat in one sentence.",
+        )
+    ]
+    params = dict(max_tokens=20, temperature=0)
+
+    async def together(engine):
+        streams = [engine.submit(request(p, **params)) for p in prompts]
+        return [tokens_of(d) for d in await asyncio.gather(*(collect(s) for s in streams))]
+
+    async def alone(engine):
+        return [tokens_of(await collect(engine.submit(request(p, **params)))) for p in prompts]
+
+    config = make_config(slots=8, blocks=64, kv_cache_dtype="int8")
+    batched = run_engine(loaded_int8, config, together)
+    assert batched == run_engine(loaded_int8, config, alone)
+    assert "Paris" in loaded_int8.tokenizer.decode(batched[0])
+
+
+def test_engine_refuses_int8_cache_for_models_without_the_fused_path(tmp_path, loaded_fp32):
+    from dataclasses import replace
+
+    from kvserve.engine.engine import Engine
+    from kvserve.model.llama import LlamaModel
+    from kvserve.model.safetensors import SafetensorsCheckpoint
+    from tests.model.test_safetensors import save_tiny, tiny_config
+
+    save_tiny(tmp_path, tiny_config("qwen3"))  # q/k norms: no fused kernels
+    checkpoint = SafetensorsCheckpoint(tmp_path)
+    model = LlamaModel.from_tensors(
+        checkpoint.config, checkpoint.get, dtype=torch.float32, device=CPU
+    )
+    loaded = replace(loaded_fp32, model=model, config=checkpoint.config, path=tmp_path)
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8"):
+        Engine(make_config(kv_cache_dtype="int8"), loaded)
+    # and the model refuses such a cache if handed one directly
+    cache = KVCache(checkpoint.config, 2, 32, torch.int8, CPU)
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8"):
+        _all_logits_on(model, cache)
+
+
+def _all_logits_on(model, cache):
+    from kvserve.model.attention import build_metadata
+    from tests.model.helpers import Chunk
+
+    meta = build_metadata([Chunk(0, 3, [0], True)], 32, CPU)
+    return model.forward(torch.tensor([1, 2, 3]), meta, cache)
+
+
+def test_cli_flag_reaches_the_cache_config():
+    import argparse
+
+    from kvserve.cli import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args([])).cache.kv_cache_dtype == "auto"
+    args = parser.parse_args(["--kv-cache-dtype", "int8"])
+    assert engine_config_from_args(args).cache.kv_cache_dtype == "int8"
