@@ -78,24 +78,36 @@ int kvserve_kv_int8_available(void) { return 1; }
 /* acc[g][0:64] += sum_o probs[g][o] * v_scales[o] * v[o][0:64] for up to 4 query heads (64-wide
  * rows), the accumulators held in registers for the whole block; each value row is converted
  * to float once. */
-static inline void q8_block_values(const float *probs, int64_t stride, int64_t group,
-                                   const int8_t *v, const float *v_scales, int64_t n,
-                                   float *acc) {
+static inline __attribute__((always_inline)) void q8_values_fixed(
+    const float *probs, int64_t stride, const int group, const int8_t *v, const float *v_scales,
+    int64_t n, float *acc) {
     __m512 a[4][4];
-    for (int64_t g = 0; g < group; g++)
+    for (int g = 0; g < group; g++)
         for (int c = 0; c < 4; c++) a[g][c] = _mm512_loadu_ps(acc + g * 64 + c * 16);
     for (int64_t o = 0; o < n; o++) {
         __m512 row[4];
         for (int c = 0; c < 4; c++)
             row[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                 _mm_loadu_si128((const __m128i *)(v + o * 64 + c * 16))));
-        for (int64_t g = 0; g < group; g++) {
+        for (int g = 0; g < group; g++) {
             const __m512 p = _mm512_set1_ps(probs[g * stride + o] * v_scales[o]);
             for (int c = 0; c < 4; c++) a[g][c] = _mm512_fmadd_ps(p, row[c], a[g][c]);
         }
     }
-    for (int64_t g = 0; g < group; g++)
+    for (int g = 0; g < group; g++)
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, a[g][c]);
+}
+
+/* The group is a constant in each case, so the accumulators stay in registers. */
+static inline void q8_block_values(const float *probs, int64_t stride, int64_t group,
+                                   const int8_t *v, const float *v_scales, int64_t n,
+                                   float *acc) {
+    switch (group) {
+    case 1: q8_values_fixed(probs, stride, 1, v, v_scales, n, acc); break;
+    case 2: q8_values_fixed(probs, stride, 2, v, v_scales, n, acc); break;
+    case 3: q8_values_fixed(probs, stride, 3, v, v_scales, n, acc); break;
+    default: q8_values_fixed(probs, stride, 4, v, v_scales, n, acc); break;
+    }
 }
 
 /* One (sequence, KV head) task over the int8 cache; HD is 64 or 128. */

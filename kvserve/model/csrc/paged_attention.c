@@ -57,26 +57,38 @@ static inline void bf16_block_scores(const void *q_rows, int64_t group, const vo
 /* acc[g][0:64] += sum_o p[g][o] * v[o][0:64] for up to 4 query heads, the accumulators held in
  * registers for the whole block; each value row is converted to float once. Returns 0 when the
  * shape is not one it handles (the caller then takes the generic loop). */
-static inline int bf16_block_values(const float *probs, int64_t group, const void *values,
-                                    int64_t n, int hd, float *acc, int64_t stride) {
-    if (hd != 64 || group > 4) return 0;
-    const uint16_t *v = (const uint16_t *)values;
+static inline __attribute__((always_inline)) void bf16_values_fixed(
+    const float *probs, const int group, const uint16_t *v, int64_t n, float *acc,
+    int64_t stride) {
     __m512 a[4][4];
-    for (int64_t g = 0; g < group; g++)
+    for (int g = 0; g < group; g++)
         for (int c = 0; c < 4; c++) a[g][c] = _mm512_loadu_ps(acc + g * 64 + c * 16);
     for (int64_t o = 0; o < n; o++) {
         __m512 row[4];
         for (int c = 0; c < 4; c++)
             row[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
                 (const __m256i *)(v + o * 64 + c * 16)));
-        for (int64_t g = 0; g < group; g++) {
+        for (int g = 0; g < group; g++) {
             const __m512 p = _mm512_set1_ps(probs[g * stride + o]);
             for (int c = 0; c < 4; c++) a[g][c] = _mm512_fmadd_ps(p, row[c], a[g][c]);
         }
     }
-    for (int64_t g = 0; g < group; g++)
+    for (int g = 0; g < group; g++)
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, a[g][c]);
-    return 1;
+}
+
+/* The group is a constant in each case, so the accumulators stay in registers. */
+static inline int bf16_block_values(const float *probs, int64_t group, const void *values,
+                                    int64_t n, int hd, float *acc, int64_t stride) {
+    const uint16_t *v = (const uint16_t *)values;
+    if (hd != 64) return 0;
+    switch (group) {
+    case 1: bf16_values_fixed(probs, 1, v, n, acc, stride); return 1;
+    case 2: bf16_values_fixed(probs, 2, v, n, acc, stride); return 1;
+    case 3: bf16_values_fixed(probs, 3, v, n, acc, stride); return 1;
+    case 4: bf16_values_fixed(probs, 4, v, n, acc, stride); return 1;
+    default: return 0;
+    }
 }
 #else
 #define HAVE_BF16_DOT 0
