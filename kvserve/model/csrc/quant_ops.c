@@ -119,6 +119,26 @@ static inline void walsh_hadamard(float *v, int64_t n) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* exp(x) for 16 lanes: exp_approx's polynomial, 2^n applied by scalef. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(y, n);
+}
+#endif
+
 /* acc: [rows][2 * width] int32, gate columns first; col_scales: [2 * width]. */
 void kvserve_silu_mul_q8(const int32_t *acc, const float *row_scales, const float *col_scales,
                          int8_t *q, float *scales, int64_t rows, int64_t width, int64_t block,
@@ -129,7 +149,24 @@ void kvserve_silu_mul_q8(const int32_t *acc, const float *row_scales, const floa
         const float *gate_scales = col_scales, *up_scales = col_scales + width;
         const float rs = row_scales[r];
         float v[width];
-        _Pragma("omp simd") for (int64_t i = 0; i < width; i++) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 row_scale = _mm512_set1_ps(rs), one = _mm512_set1_ps(1.f);
+        for (; i + 16 <= width; i += 16) {
+            const __m512 g = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_loadu_si512(gate + i)),
+                _mm512_mul_ps(row_scale, _mm512_loadu_ps(gate_scales + i)));
+            const __m512 u = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_loadu_si512(up + i)),
+                _mm512_mul_ps(row_scale, _mm512_loadu_ps(up_scales + i)));
+            /* sigmoid(g) = 1 / (1 + exp(-g)): a reciprocal estimate and one Newton step */
+            const __m512 d = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+            __m512 s = _mm512_rcp14_ps(d);
+            s = _mm512_mul_ps(s, _mm512_fnmadd_ps(d, s, _mm512_set1_ps(2.f)));
+            _mm512_storeu_ps(v + i, _mm512_mul_ps(_mm512_mul_ps(g, s), u));
+        }
+#endif
+        for (; i < width; i++) {
             const float g = (float)gate[i] * rs * gate_scales[i];
             v[i] = g / (1.f + exp_approx(-g)) * ((float)up[i] * rs * up_scales[i]);
         }
