@@ -40,6 +40,7 @@ test: install browser
 
 bench: install
 	$(PY) -m kvserve.bench.run $(ARGS)
+	$(PY) -m kvserve.bench.run --quantization int8 --kv-cache-dtype int8 $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check kvserve tests

@@ -59,13 +59,14 @@ def measure_ours(
     rows: tuple[int, ...] = (1, 8, 32, 64),
     context: int = 128,
     repeats: int = 5,
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[float, dict[int, float]]:
     model = loaded.model
     device = model.device
     block_size = 32
     blocks_per_seq = -(-(context + 1) // block_size)
     num_blocks = max(max(rows) * blocks_per_seq, -(-prefill_tokens // block_size)) + 1
-    cache = KVCache(model.config, num_blocks, block_size, model.dtype, device)
+    cache = KVCache(model.config, num_blocks, block_size, cache_dtype or model.dtype, device)
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
 
@@ -166,8 +167,10 @@ def measure_reference(
     return prefill, decode
 
 
-def run_model_bench(loaded: LoadedModel, *, with_reference: bool = True) -> ModelBenchResult:
-    prefill, decode = device_thread.call(measure_ours, loaded)
+def run_model_bench(
+    loaded: LoadedModel, *, with_reference: bool = True, cache_dtype: torch.dtype | None = None
+) -> ModelBenchResult:
+    prefill, decode = device_thread.call(measure_ours, loaded, cache_dtype=cache_dtype)
     result = ModelBenchResult(
         dtype=str(loaded.dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),

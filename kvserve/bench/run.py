@@ -51,7 +51,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_bench(concurrencies: list[int], dtype: str) -> tuple[str, list]:
+def http_bench(
+    concurrencies: list[int], dtype: str, quantization: str = "none", kv_cache_dtype: str = "auto"
+) -> tuple[str, list]:
     """Start `kvserve serve` on a free loopback port and load it with the load generator."""
     from kvserve.bench.loadgen import BenchConfig, format_table, run_benchmark
 
@@ -70,6 +72,10 @@ def http_bench(concurrencies: list[int], dtype: str) -> tuple[str, list]:
         str(max(concurrencies)),
         "--dtype",
         dtype,
+        "--quantization",
+        quantization,
+        "--kv-cache-dtype",
+        kv_cache_dtype,
     ]
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -115,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="model,engine,http", help="comma list of sections")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none", help="none | int8 (linear layers)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | int8")
     parser.add_argument("--no-reference", action="store_true", help="skip transformers figures")
     parser.add_argument("--output", default="docs/benchmarks.md")
     parser.add_argument("--json", default=None, help="also write raw results here")
@@ -127,16 +135,26 @@ def main(argv: list[str] | None = None) -> int:
     from kvserve.config import DeviceConfig
     from kvserve.model.loader import load_model
 
-    loaded = load_model(None, DeviceConfig(dtype=args.dtype))
+    loaded = load_model(None, DeviceConfig(dtype=args.dtype, quantization=args.quantization))
     dtype = str(loaded.dtype).removeprefix("torch.")
+    if args.quantization != "none":
+        dtype += f", {args.quantization} linear layers"
+    if args.kv_cache_dtype != "auto":
+        dtype += f", {args.kv_cache_dtype} KV cache"
+    import torch
+
+    cache_dtype = torch.int8 if args.kv_cache_dtype == "int8" else None
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     out = [f"\n## {stamp} — {loaded.name}, {dtype}\n", f"Machine: {machine_line()}.\n"]
     raw: dict = {"date": stamp, "machine": machine_line(), "dtype": dtype}
+    raw["quantization"], raw["kv_cache_dtype"] = args.quantization, args.kv_cache_dtype
     engine_results = []
 
     if "model" in sections:
         print("model benchmark...", flush=True)
-        result = run_model_bench(loaded, with_reference=not args.no_reference)
+        result = run_model_bench(
+            loaded, with_reference=not args.no_reference, cache_dtype=cache_dtype
+        )
         out += ["### Model (forward pass only)\n", format_model_table(result), ""]
         raw["model"] = result.to_dict()
     if "engine" in sections:
@@ -144,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         from kvserve.model import device_thread
 
         reference = None if args.no_reference else device_thread.call(reference_model, loaded)
-        engine_results = run_engine_bench(loaded, tuple(concurrencies), reference=reference)
+        engine_results = run_engine_bench(
+            loaded, tuple(concurrencies), reference=reference, kv_cache_dtype=args.kv_cache_dtype
+        )
         del reference
         out += [
             "### Engine (continuous batching, no HTTP; 128-token prompts, 128 output tokens)\n",
@@ -154,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         raw["engine"] = [r.to_dict() for r in engine_results]
     if "http" in sections:
         print("HTTP benchmark...", flush=True)
-        table, results = http_bench(concurrencies, args.dtype)
+        table, results = http_bench(
+            concurrencies, args.dtype, args.quantization, args.kv_cache_dtype
+        )
         out += [
             "### HTTP (`kvserve bench` against `kvserve serve`, streaming completions)\n",
             table,

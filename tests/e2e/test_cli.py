@@ -57,8 +57,12 @@ class _Lines:
                 return line
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_serve_subprocess(stop_signal):
+@pytest.mark.parametrize(
+    ("stop_signal", "int8"),
+    [(signal.SIGINT, False), (signal.SIGTERM, True)],
+    ids=["SIGINT", "SIGTERM-int8"],
+)
+def test_serve_subprocess(stop_signal, int8):
     port = _free_port()
     env = {
         **os.environ,
@@ -69,6 +73,8 @@ def test_serve_subprocess(stop_signal):
         "KVSERVE_MAX_NUM_SEQS": "2",
         "KVSERVE_DEVICE": "cpu",
     }
+    if int8:  # the fast CPU configuration: int8 linear layers and KV cache
+        env |= {"KVSERVE_QUANTIZATION": "int8", "KVSERVE_KV_CACHE_DTYPE": "int8"}
     process = subprocess.Popen(
         [sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--max-model-len", "1024"],
         stdout=subprocess.PIPE,
@@ -94,6 +100,14 @@ def test_serve_subprocess(stop_signal):
         reply = httpx.post(url + "/v1/chat/completions", json=payload, headers=headers, timeout=60)
         assert reply.status_code == 200
         assert reply.json()["usage"]["completion_tokens"] <= 3
+        question = {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12,
+            "temperature": 0,
+        }
+        reply = httpx.post(url + "/v1/chat/completions", json=question, headers=headers, timeout=60)
+        assert "Paris" in reply.json()["choices"][0]["message"]["content"]
+        assert ("+ int8" in banner) == int8
 
         # A stream in flight when the signal arrives ends with an error event and [DONE].
         long = {**payload, "max_tokens": 500, "ignore_eos": True, "stream": True}

@@ -26,30 +26,19 @@
 
 /* Scores of `group` bf16 query rows against `n` bf16 key rows of one block, with the CPU's
  * bf16 dot-product instruction: products are exact in float32 and summed in float32, as the
- * generic path does after converting, but without the conversion. Keys go 16 at a time, their
- * 16 partial-sum vectors reduced together. HD is 64 or 128. */
+ * generic path does after converting, but without the conversion. HD is 64 or 128. */
 static inline void bf16_block_scores(const void *q_rows, int64_t group, const void *keys,
                                      int64_t n, int hd, float scale, float *scores,
                                      int64_t stride) {
     const uint16_t *q = (const uint16_t *)q_rows, *k = (const uint16_t *)keys;
-    const __m512 scales = _mm512_set1_ps(scale);
-    for (int64_t o0 = 0; o0 < n; o0 += 16) {
-        const int64_t m = n - o0 < 16 ? n - o0 : 16;
-        const __mmask16 mask = m == 16 ? (__mmask16)0xffff : (__mmask16)((1u << m) - 1);
+    for (int64_t o = 0; o < n; o++) {
+        const uint16_t *row = k + o * hd;
         for (int64_t g = 0; g < group; g++) {
-            __m512 partial[16];
-            for (int64_t j = 0; j < 16; j++) {
-                __m512 acc = _mm512_setzero_ps();
-                if (j < m) {
-                    const uint16_t *row = k + (o0 + j) * hd;
-                    for (int d = 0; d < hd; d += 32)
-                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + d),
-                                               (__m512bh)_mm512_loadu_si512(q + g * hd + d));
-                }
-                partial[j] = acc;
-            }
-            _mm512_mask_storeu_ps(scores + g * stride + o0, mask,
-                                  _mm512_mul_ps(sum16(partial), scales));
+            __m512 acc = _mm512_setzero_ps();
+            for (int d = 0; d < hd; d += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + d),
+                                       (__m512bh)_mm512_loadu_si512(q + g * hd + d));
+            scores[g * stride + o] = _mm512_reduce_add_ps(acc) * scale;
         }
     }
 }
