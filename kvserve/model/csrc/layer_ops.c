@@ -55,7 +55,35 @@ DEFINE_ADD_RMSNORM(kvserve_add_rmsnorm_bf16, uint16_t, bf16_to_float, float_to_b
     }
 
 DEFINE_SILU_MUL(kvserve_silu_mul_f32, float, float_identity, float_identity)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* bf16 with the CPU's conversions both ways, a vector exp and a reciprocal estimate (one
+ * Newton step: ~1e-7 relative, far below bf16's rounding) instead of a division. */
+void kvserve_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width,
+                           int num_threads) {
+    _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * 2 * width, *up = gate + width;
+        uint16_t *orow = out + r * width;
+        int64_t i = 0;
+        for (; i + 16 <= width; i += 16) {
+            const __m512 g = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(gate + i)));
+            const __m512 u = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(up + i)));
+            const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f),
+                                           exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+            __m512 sig = _mm512_rcp14_ps(d);
+            sig = _mm512_mul_ps(sig, _mm512_fnmadd_ps(d, sig, _mm512_set1_ps(2.f)));
+            _mm256_storeu_si256((__m256i *)(orow + i),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_mul_ps(g, sig), u)));
+        }
+        for (; i < width; i++) {
+            const float g = bf16_to_float(gate[i]);
+            orow[i] = float_to_bf16(g / (1.f + exp_approx(-g)) * bf16_to_float(up[i]));
+        }
+    }
+}
+#else
 DEFINE_SILU_MUL(kvserve_silu_mul_bf16, uint16_t, bf16_to_float, float_to_bf16)
+#endif
 
 /*
  * qkv: [rows][(heads + 2 kv_heads) * head_dim], q heads then k heads then v heads.

@@ -199,4 +199,219 @@ DEFINE_TASK(task_bf16_128, uint16_t, bf16_to_float, float_to_bf16, 128, HAVE_BF1
     }
 
 DEFINE_ENTRY(kvserve_paged_decode_f32, float, task_f32_64, task_f32_128)
+#if HAVE_BF16_DOT
+#define TILE_ROWS 16
+
+/* every row alone (the tiled entry below hands over when blocks are not 32 positions) */
+DEFINE_ENTRY(kvserve_paged_decode_bf16_rows, uint16_t, task_bf16_64, task_bf16_128)
+
+/*
+ * Consecutive rows of one prefill chunk (one table, lengths growing by one), up to TILE_ROWS
+ * of them, against one KV head: the tile's R * group query rows are worked on together, laid
+ * out across vector lanes, so that one bf16 dot product per (key, pair of dimensions) scores 16
+ * query rows at once and no horizontal sums are needed.
+ *
+ *   scores   s[key][row] = sum_p q[row][p] . k[key][p] over dimension pairs p (q transposed
+ *            once per tile; each key's pairs broadcast), four keys at a time
+ *   softmax  per row over its own length (masked by lane), done across lanes
+ *   values   out[row] = sum_key s[key][row] * v[key] with V converted to float once per tile,
+ *            four rows at a time, then divided by each row's sum
+ *
+ * The probabilities and sums are float32 as in the row-at-a-time task; only the order of the
+ * additions differs.
+ */
+static void tile_task_bf16(const uint16_t *q, int64_t q_row_stride, uint16_t *out,
+                           int64_t out_row_stride, const uint16_t *k_head, const uint16_t *v_head,
+                           const int64_t *table, const int64_t *lengths, int64_t rows,
+                           int64_t group, int64_t hd, int64_t block_size, float scale,
+                           float *work) {
+    const int64_t longest = lengths[rows - 1], pairs = hd / 2;
+    const int64_t nq = rows * group, vectors = (nq + 15) / 16, width = vectors * 16;
+    uint32_t *qt = (uint32_t *)work;           /* [pairs][width] */
+    float *st = (float *)(qt + pairs * width); /* [longest][width] scores, then probabilities */
+    float *vf = st + longest * width;          /* [longest][hd] */
+    float *inverse = vf + longest * hd;        /* [width] */
+
+    /* query rows across lanes: lane l is row l / group, head l % group */
+    for (int64_t l = 0; l < width; l++) {
+        const uint32_t *src =
+            l < nq ? (const uint32_t *)(q + (l / group) * q_row_stride + (l % group) * hd) : NULL;
+        for (int64_t p = 0; p < pairs; p++) qt[p * width + l] = src ? src[p] : 0;
+    }
+    const __m512 scales = _mm512_set1_ps(scale);
+    const int64_t num_used = (longest + block_size - 1) / block_size;
+    for (int64_t b = 0; b < num_used; b++) {
+        const int64_t first = b * block_size;
+        const int64_t n = longest - first < block_size ? longest - first : block_size;
+        const uint32_t *keys = (const uint32_t *)(k_head + table[b] * block_size * hd);
+        const uint16_t *values = v_head + table[b] * block_size * hd;
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t c = 0; c < hd; c += 16)
+                _mm512_storeu_ps(vf + (first + j) * hd + c,
+                                 _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
+                                     (const __m256i *)(values + j * hd + c))));
+        for (int64_t v0 = 0; v0 < vectors; v0 += 4) {
+            const int64_t nv = vectors - v0 < 4 ? vectors - v0 : 4;
+            for (int64_t j = 0; j < n; j += 4) {
+                const int64_t nk = n - j < 4 ? n - j : 4;
+                __m512 acc[4][4];
+                for (int k = 0; k < 4; k++)
+                    for (int v = 0; v < 4; v++) acc[k][v] = _mm512_setzero_ps();
+                for (int64_t p = 0; p < pairs; p++) {
+                    __m512bh lanes[4];
+                    for (int v = 0; v < 4; v++)
+                        if (v < nv)
+                            lanes[v] = (__m512bh)_mm512_loadu_si512(qt + p * width + (v0 + v) * 16);
+                    for (int k = 0; k < 4; k++) {
+                        if (k >= nk) break;
+                        const __m512bh key =
+                            (__m512bh)_mm512_set1_epi32((int32_t)keys[(j + k) * pairs + p]);
+                        for (int v = 0; v < 4; v++)
+                            if (v < nv) acc[k][v] = _mm512_dpbf16_ps(acc[k][v], lanes[v], key);
+                    }
+                }
+                for (int k = 0; k < nk; k++)
+                    for (int v = 0; v < nv; v++)
+                        _mm512_storeu_ps(st + (first + j + k) * width + (v0 + v) * 16,
+                                         _mm512_mul_ps(acc[k][v], scales));
+            }
+        }
+    }
+    /* softmax down each lane over that row's own length; the sums are kept for the end */
+    for (int64_t v = 0; v < vectors; v++) {
+        int32_t limit[16];
+        for (int l = 0; l < 16; l++) {
+            const int64_t lane = v * 16 + l;
+            limit[l] = lane < nq ? (int32_t)lengths[lane / group] : 0;
+        }
+        const __m512i limits = _mm512_loadu_si512(limit);
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t key = 0; key < longest; key++) {
+            const __mmask16 seen = _mm512_cmpgt_epi32_mask(limits, _mm512_set1_epi32((int)key));
+            top = _mm512_mask_max_ps(top, seen, top, _mm512_loadu_ps(st + key * width + v * 16));
+        }
+        top = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(limits, _mm512_setzero_si512()),
+                                   _mm512_setzero_ps(), top);
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t key = 0; key < longest; key++) {
+            const __mmask16 seen = _mm512_cmpgt_epi32_mask(limits, _mm512_set1_epi32((int)key));
+            float *s = st + key * width + v * 16;
+            const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_loadu_ps(s), top)));
+            _mm512_storeu_ps(s, e);
+            total = _mm512_add_ps(total, e);
+        }
+        _mm512_storeu_ps(inverse + v * 16,
+                         _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_max_ps(total, _mm512_set1_ps(1e-30f))));
+    }
+    /* values, four query rows at a time (two at head_dim 128), accumulators in registers */
+    const int64_t step = hd == 64 ? 4 : 2;
+    for (int64_t l0 = 0; l0 < nq; l0 += step) {
+        const int64_t nl = nq - l0 < step ? nq - l0 : step;
+        int64_t reach = 0;
+        for (int64_t l = l0; l < l0 + nl; l++)
+            reach = lengths[l / group] > reach ? lengths[l / group] : reach;
+        __m512 acc[4][8];
+        for (int l = 0; l < 4; l++)
+            for (int c = 0; c < 8; c++) acc[l][c] = _mm512_setzero_ps();
+        const int64_t chunks = hd / 16;
+        for (int64_t key = 0; key < reach; key++) {
+            const float *row = vf + key * hd;
+            const float *p = st + key * width + l0;
+            if (hd == 64) {
+                const __m512 r0 = _mm512_loadu_ps(row), r1 = _mm512_loadu_ps(row + 16);
+                const __m512 r2 = _mm512_loadu_ps(row + 32), r3 = _mm512_loadu_ps(row + 48);
+                for (int l = 0; l < 4; l++) {
+                    if (l >= nl) break;
+                    const __m512 w = _mm512_set1_ps(p[l]);
+                    acc[l][0] = _mm512_fmadd_ps(w, r0, acc[l][0]);
+                    acc[l][1] = _mm512_fmadd_ps(w, r1, acc[l][1]);
+                    acc[l][2] = _mm512_fmadd_ps(w, r2, acc[l][2]);
+                    acc[l][3] = _mm512_fmadd_ps(w, r3, acc[l][3]);
+                }
+            } else {
+                for (int l = 0; l < 2; l++) {
+                    if (l >= nl) break;
+                    const __m512 w = _mm512_set1_ps(p[l]);
+                    for (int c = 0; c < 8; c++)
+                        acc[l][c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + 16 * c), acc[l][c]);
+                }
+            }
+        }
+        for (int64_t l = 0; l < nl; l++) {
+            const int64_t lane = l0 + l;
+            uint16_t *o = out + (lane / group) * out_row_stride + (lane % group) * hd;
+            const __m512 norm = _mm512_set1_ps(inverse[lane]);
+            for (int64_t c = 0; c < chunks; c++)
+                _mm256_storeu_si256((__m256i *)(o + 16 * c),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[l][c], norm)));
+        }
+    }
+}
+
+int kvserve_paged_decode_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *kv,
+                              const int64_t *block_tables, int64_t table_width,
+                              const int64_t *row_tables, const int64_t *lengths, uint16_t *out,
+                              int64_t out_row_stride, int64_t num_seqs, int64_t num_heads,
+                              int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
+                              int64_t block_size, float scale, int num_threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    if (group > MAX_GROUP || (head_dim != 64 && head_dim != 128)) return -1;
+    if (block_size % 4 != 0)
+        return kvserve_paged_decode_bf16_rows(q, q_row_stride, kv, block_tables, table_width,
+                                              row_tables, lengths, out, out_row_stride, num_seqs,
+                                              num_heads, num_kv_heads, head_dim, num_blocks,
+                                              block_size, scale, num_threads);
+    const int64_t head_stride = num_blocks * block_size * head_dim;
+    const uint16_t *k_base = kv, *v_base = kv + num_kv_heads * head_stride;
+    /* Tiles: runs of rows of one prefill chunk (same table, lengths growing by one). */
+    int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));
+    int64_t num_tiles = 0;
+    for (int64_t r = 0; r < num_seqs; r++) {
+        const int continues = r > 0 && row_tables && row_tables[r] == row_tables[r - 1] &&
+                              lengths[r] == lengths[r - 1] + 1 &&
+                              r - tiles[num_tiles - 1] < TILE_ROWS;
+        if (!continues) tiles[num_tiles++] = r;
+    }
+    tiles[num_tiles] = num_seqs;
+    _Pragma("omp parallel num_threads(num_threads)") {
+        float *work = NULL;
+        int64_t capacity = 0;
+        _Pragma("omp for schedule(dynamic, 1)") for (int64_t task = 0;
+                                                     task < num_tiles * num_kv_heads; task++) {
+            /* longest tiles first: they are the last rows of a chunk */
+            const int64_t tile = num_tiles - 1 - task / num_kv_heads, h = task % num_kv_heads;
+            const int64_t first = tiles[tile], rows = tiles[tile + 1] - first;
+            const int64_t longest = lengths[first + rows - 1];
+            const int64_t width = (rows * group + 15) / 16 * 16;
+            const int64_t need = group * longest + head_dim / 2 * width + longest * width +
+                                 longest * head_dim + width;
+            if (need > capacity) {
+                free(work);
+                capacity = need * 2;
+                work = (float *)malloc(sizeof(float) * capacity);
+            }
+            const uint16_t *qrow = q + first * q_row_stride + h * group * head_dim;
+            uint16_t *orow = out + first * out_row_stride + h * group * head_dim;
+            const int64_t *table =
+                block_tables + (row_tables ? row_tables[first] : first) * table_width;
+            if (rows == 1) {
+                if (head_dim == 64)
+                    task_bf16_64(qrow, orow, k_base + h * head_stride, v_base + h * head_stride,
+                                 table, longest, group, block_size, scale, work);
+                else
+                    task_bf16_128(qrow, orow, k_base + h * head_stride, v_base + h * head_stride,
+                                  table, longest, group, block_size, scale, work);
+            } else {
+                tile_task_bf16(qrow, q_row_stride, orow, out_row_stride,
+                               k_base + h * head_stride, v_base + h * head_stride, table,
+                               lengths + first, rows, group, head_dim, block_size, scale, work);
+            }
+        }
+        free(work);
+    }
+    free(tiles);
+    return 0;
+}
+#else
 DEFINE_ENTRY(kvserve_paged_decode_bf16, uint16_t, task_bf16_64, task_bf16_128)
+#endif
