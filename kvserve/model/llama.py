@@ -336,6 +336,29 @@ class LlamaModel:
 
         # [rows, hidden] residual, fp32, in the rotated basis
         x = native.rotate_rows(F.embedding(token_ids, self.embed).float(), weights.rotation)
+        if weights.native_layers is not None:
+            native.forward_int8(
+                x,
+                weights.native_layers,
+                kv_cache.kv,
+                kv_cache.scales,
+                heads=num_heads,
+                kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                intermediate=cfg.intermediate_size,
+                down_block=weights.down_block,
+                eps=eps,
+                scale=self.scale,
+                dtype=dtype,
+                positions=meta.positions,
+                cos_half=self.rope_cos_half,
+                sin_half=self.rope_sin_half,
+                slots=meta.slot_mapping,
+                tables=meta.chunk_tables,
+                row_tables=meta.row_tables,
+                lengths=meta.row_lengths,
+            )
+            return self._int8_logits(x[meta.logits_indices])
         q, s = native.add_rmsnorm_q8(x, None, None, None, eps)
         for index, layer in enumerate(weights.layers):
             qkv = native.dequantize(layer.qkv.matmul(q), s, layer.qkv.scale, layer.qkv.bias, dtype)
@@ -374,12 +397,20 @@ class LlamaModel:
             else:
                 native.add_rmsnorm_q8(x, acc, s, layer.down.scale, eps, normalize=False)
 
-        x = x[meta.logits_indices]
+        return self._int8_logits(x[meta.logits_indices])
+
+    def _int8_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the rows x ([rows, hidden] float32, the rotated residual after the
+        last layer): the int8 lm_head picks each row's candidates, recomputed exactly."""
+        from kvserve.model import native
+
+        weights, eps = self.int8, self.config.rms_norm_eps
         q, s = native.add_rmsnorm_q8(x, None, None, None, eps)
         head = weights.head
         logits = native.dequantize(head.matmul(q), s, head.scale, None, torch.float32)
         # The best candidates of each row, exactly, from the rows turned back (as in `logits`)
-        x = F.rms_norm(native.rotate_rows(x, weights.inverse), (cfg.hidden_size,), self.norm, eps)
+        hidden = self.config.hidden_size
+        x = F.rms_norm(native.rotate_rows(x, weights.inverse), (hidden,), self.norm, eps)
         return self._refine(logits, x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

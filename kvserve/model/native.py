@@ -30,6 +30,7 @@ SOURCES = [
     CSRC / "quant_ops.c",
     CSRC / "int8_gemm.c",
     CSRC / "kv_int8.c",
+    CSRC / "forward_int8.c",
 ]
 HEADER = CSRC / "common.h"
 # -fno-math-errno / -fno-trapping-math (not -ffast-math: no reassociation, NaN and infinity keep
@@ -143,6 +144,12 @@ def library() -> ctypes.CDLL | None:
         fn = getattr(lib, "kvserve_rope_store_q8" + suffix)
         fn.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i32]
         fn.restype = None
+    lib.kvserve_forward_int8.argtypes = [
+        p, i64, p, i64, p, p, i64, i64, i64, i64, f32, f32, i32,
+        p, p, p, p, p, i64, p, p, i64, i64,
+        p, p, p, p, p, p, i32,
+    ]  # fmt: skip
+    lib.kvserve_forward_int8.restype = ctypes.c_int
     lib.kvserve_kv_int8_available.argtypes = []
     lib.kvserve_kv_int8_available.restype = ctypes.c_int
     lib.kvserve_topk_rows.argtypes = [p, i64, i64, i64, p, i32]
@@ -495,3 +502,126 @@ def topk_rows(x: torch.Tensor, k: int) -> torch.Tensor:
         x.data_ptr(), rows, n, k, indices.data_ptr(), torch.get_num_threads()
     )
     return indices
+
+
+class Int8WeightStruct(ctypes.Structure):
+    """kvserve_int8_weight in forward_int8.c."""
+
+    _fields_ = [
+        ("panels", ctypes.c_void_p),
+        ("correction", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+    ]
+
+
+class Int8LayerStruct(ctypes.Structure):
+    """kvserve_int8_layer in forward_int8.c."""
+
+    _fields_ = [(name, Int8WeightStruct) for name in ("qkv", "o", "gate_up", "down")]
+
+
+def int8_layer_table(layers) -> ctypes.Array:
+    """The C description of quantized layers (kvserve.model.quant.Int8Layer, every weight
+    packed). It points into the layers' tensors, which must outlive it."""
+
+    def weight(w) -> Int8WeightStruct:
+        return Int8WeightStruct(
+            w.panels.data_ptr(),
+            w.correction.data_ptr(),
+            w.scale.data_ptr(),
+            _ptr(w.bias),
+            w.out_features,
+            w.panels.shape[1] * 4,
+        )
+
+    table = (Int8LayerStruct * len(layers))()
+    for entry, layer in zip(table, layers, strict=True):
+        entry.qkv, entry.o = weight(layer.qkv), weight(layer.o)
+        entry.gate_up, entry.down = weight(layer.gate_up), weight(layer.down)
+    return table
+
+
+def forward_int8(
+    x: torch.Tensor,
+    table: ctypes.Array,
+    kv: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    down_block: int,
+    eps: float,
+    scale: float,
+    dtype: torch.dtype,
+    positions: torch.Tensor,
+    cos_half: torch.Tensor,
+    sin_half: torch.Tensor,
+    slots: torch.Tensor,
+    tables: torch.Tensor,
+    row_tables: torch.Tensor,
+    lengths: torch.Tensor,
+) -> None:
+    """Run every layer of the int8 path on x ([rows, hidden] float32, in place): see
+    kvserve/model/csrc/forward_int8.c. kv: the whole cache ([layers, 2, kv_heads, blocks,
+    block_size, head_dim]); kv_scales: its scales for an int8 cache, else None."""
+    rows, hidden = x.shape
+    num_layers = len(table)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    _, _, _, num_blocks, block_size, _ = kv.shape
+    layer_bytes = kv.stride(0) * kv.element_size()
+    kv_pointers = (ctypes.c_void_p * num_layers)(
+        *(kv.data_ptr() + i * layer_bytes for i in range(num_layers))
+    )
+    scale_pointers = None
+    if kv_scales is not None:
+        scale_bytes = kv_scales.stride(0) * kv_scales.element_size()
+        scale_pointers = (ctypes.c_void_p * num_layers)(
+            *(kv_scales.data_ptr() + i * scale_bytes for i in range(num_layers))
+        )
+    q8 = torch.empty(rows * max(hidden, q_size, intermediate), dtype=torch.int8)
+    scales = torch.empty(2, rows, dtype=torch.float32)
+    acc = torch.empty(rows * max(q_size + 2 * kv_size, 2 * intermediate, hidden), dtype=torch.int32)
+    qkv = torch.empty(rows, q_size + 2 * kv_size, dtype=dtype)
+    attn = torch.empty(rows, q_size, dtype=dtype)
+    status = library().kvserve_forward_int8(
+        x.data_ptr(),
+        rows,
+        ctypes.addressof(table),
+        num_layers,
+        kv_pointers,
+        scale_pointers,
+        heads,
+        kv_heads,
+        head_dim,
+        down_block,
+        eps,
+        scale,
+        int(dtype == torch.bfloat16),
+        positions.data_ptr(),
+        cos_half.data_ptr(),
+        sin_half.data_ptr(),
+        slots.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        row_tables.data_ptr(),
+        lengths.data_ptr(),
+        num_blocks,
+        block_size,
+        q8.data_ptr(),
+        scales[0].data_ptr(),
+        scales[1].data_ptr(),
+        acc.data_ptr(),
+        qkv.data_ptr(),
+        attn.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(
+            f"paged attention kernel refused shapes: {heads} heads / {kv_heads} KV heads, "
+            f"head_dim {head_dim}"
+        )

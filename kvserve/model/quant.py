@@ -102,6 +102,9 @@ class Int8Weights:
     inverse: torch.Tensor  # rotation.T, contiguous
     down_block: int  # Walsh-Hadamard block of the down_proj input (1: none)
     head: Int8Weight  # lm_head, final norm folded in, reading the rotated residual
+    # The layers described for the C driver (kvserve/model/csrc/forward_int8.c), when every
+    # weight is packed for the VNNI kernel; None otherwise (the forward pass then loops here).
+    native_layers: object = None
 
     @property
     def num_bytes(self) -> int:
@@ -259,4 +262,10 @@ def quantize_model(config, layers: list, norm: torch.Tensor, lm_head: torch.Tens
         )
     head = Int8Weight.quantize(residual.right(lm_head.float() * norm[None, :]))
     rotation = residual.matrix().contiguous()
-    return Int8Weights(quantized, rotation, rotation.t().contiguous(), block, head)
+    weights = Int8Weights(quantized, rotation, rotation.t().contiguous(), block, head)
+    packed = [w for layer in quantized for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if all(w.panels is not None for w in packed):
+        from kvserve.model import native
+
+        weights.native_layers = native.int8_layer_table(quantized)
+    return weights

@@ -348,3 +348,30 @@ def test_cli_flag_reaches_the_device_config():
     assert engine_config_from_args(parser.parse_args([])).device.quantization == "none"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int4"])
+
+
+@needs_kernels
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8])
+def test_layers_in_one_c_call_match_the_python_loop(loaded_int8, cache_dtype):
+    """The C driver runs the same kernels in the same order as the Python loop: identical
+    logits, for a prefill and a decode row, on either cache."""
+    model = loaded_int8.model
+    ids = loaded_int8.tokenizer.encode(TEXT)[:70]
+    if cache_dtype is not None and not native.kv_int8_available():
+        pytest.skip("needs the int8 KV cache kernels")
+    results = []
+    table = model.int8.native_layers
+    assert table is not None
+    try:
+        for native_layers in (table, None):
+            model.int8.native_layers = native_layers
+            cache = KVCache(model.config, 4, 32, cache_dtype or model.dtype, CPU)
+            meta = build_metadata([Chunk(0, 69, [2, 0, 3], True)], 32, CPU, native=True)
+            prefill = model.forward(torch.tensor(ids[:69]), meta, cache)
+            meta = build_metadata([Chunk(69, 1, [2, 0, 3], True)], 32, CPU, native=True)
+            decode = model.forward(torch.tensor(ids[69:70]), meta, cache)
+            results.append((prefill, decode, cache.kv.clone()))
+    finally:
+        model.int8.native_layers = table
+    (p1, d1, kv1), (p2, d2, kv2) = results
+    assert torch.equal(p1, p2) and torch.equal(d1, d2) and torch.equal(kv1, kv2)
