@@ -85,6 +85,12 @@ def test_arrival_joins_at_next_step_and_finished_leaves_at_once(loaded_default):
 # -- batch invariance -------------------------------------------------------------------------
 
 
+@pytest.fixture
+def request_fixture(request):
+    """pytest's `request` under another name (this module's `request` builds a request)."""
+    return request
+
+
 def test_sixteen_prompts_together_match_each_alone_fp32(loaded_fp32):
     prompts = [chat_ids(loaded_fp32, p) for p in PROMPTS]
     params = dict(max_tokens=24, temperature=0)
@@ -127,8 +133,13 @@ def test_int8_prompts_together_match_each_alone(loaded_int8):
     assert len({tuple(t) for t in batched}) > 8
 
 
-def test_seeded_sampling_same_alone_and_in_a_batch(loaded_default):
-    prompts = [chat_ids(loaded_default, p) for p in PROMPTS[:6]]
+@pytest.mark.parametrize("fixture", ["loaded_fp32", "loaded_int8"])
+def test_seeded_sampling_same_alone_and_in_a_batch(fixture, request_fixture):
+    """Exact in float32 and with int8 linear layers, where every row is computed alone. (bf16
+    products are not batch invariant: oneDNN blocks them by row count, and a draw that lands
+    within that rounding of a boundary can differ.)"""
+    loaded = request_fixture.getfixturevalue(fixture)
+    prompts = [chat_ids(loaded, p) for p in PROMPTS[:6]]
     seeded = dict(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
 
     async def alone(engine):
@@ -148,7 +159,7 @@ def test_seeded_sampling_same_alone_and_in_a_batch(loaded_default):
         return tokens_of(results[0])
 
     config = make_config(slots=8, blocks=128)
-    assert run_engine(loaded_default, config, alone) == run_engine(loaded_default, config, in_batch)
+    assert run_engine(loaded, config, alone) == run_engine(loaded, config, in_batch)
 
 
 # -- no state carried between requests ----------------------------------------------------------
