@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.model import native
+
 MAX_STOP_STRINGS = 4
 """At most this many stop strings per request, as OpenAI allows."""
 
@@ -466,11 +468,9 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Per-row argmax, ties to the lowest token id. On the CPU, the C kernel (torch's argmax runs
     on one core and takes ~3 ms for 64 rows of a 49k vocabulary, a twentieth of a decode step);
     it passes over NaN, which torch would pick."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
-        from kvserve.model import native
-
-        if native.library() is not None:
-            return native.topk_rows(logits, 1)[:, 0]
+    on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
+    if on_cpu and logits.is_contiguous() and native.library() is not None:
+        return native.topk_rows(logits, 1)[:, 0]
     return logits.argmax(dim=-1)
 
 

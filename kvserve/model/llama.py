@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.model import native
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.kv_cache import KVCache
@@ -69,8 +70,6 @@ class LlamaModel:
         self.dtype = embed.dtype
         self.device = embed.device
         self.scale = config.head_dim**-0.5
-        from kvserve.model import native
-
         self.native = native.supports(
             self.device, self.dtype, config.num_heads, config.num_kv_heads, config.head_dim
         )
@@ -88,8 +87,6 @@ class LlamaModel:
     def supports_int8_kv_cache(self) -> bool:
         """Whether this model can run on an int8 KV cache (the fused CPU path writes and reads
         it; kvserve/model/csrc/kv_int8.c)."""
-        from kvserve.model import native
-
         return self.fused and native.kv_int8_available()
 
     def _quantize_int8(self) -> None:
@@ -105,6 +102,7 @@ class LlamaModel:
         self.int8 = quantize_model(self.config, self.layers, self.norm, self.lm_head)
         self.layers = []
         self.projections = []
+        self.head = None  # the int8 head picks candidates; self.lm_head recomputes them
 
     # -- construction -------------------------------------------------------------------------
 
@@ -271,13 +269,8 @@ class LlamaModel:
     ) -> torch.Tensor:
         """The same computation as `forward` with the elementwise work in C kernels: a layer is
         four matmuls, attention, and four kernel calls (norm, RoPE + cache write, norm, SiLU)."""
-        from kvserve.model import native
-
         cfg = self.config
         dtype, eps = self.dtype, cfg.rms_norm_eps
-        num_heads, num_kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        rows = token_ids.shape[0]
-        q_size, qk_size = cfg.q_size, cfg.q_size + cfg.kv_size
         layers = self.layers
 
         x = F.embedding(token_ids, self.embed).float()  # [rows, hidden] residual, fp32
@@ -285,30 +278,7 @@ class LlamaModel:
         for index, layer in enumerate(layers):
             qkv_proj, o_proj, gate_up_proj, down_proj = self.projections[index]
             qkv = qkv_proj(h)  # [rows, q + 2 kv]
-            kv_layer = kv_cache.layer(index)
-            native.rope_store(
-                qkv,
-                meta.positions,
-                self.rope_cos_half,
-                self.rope_sin_half,
-                meta.slot_mapping,
-                kv_layer,
-                num_heads,
-                num_kv_heads,
-                head_dim,
-                kv_cache.layer_scales(index),
-            )
-            attn = paged_attention(
-                qkv[:, :q_size].view(rows, num_heads, head_dim),
-                qkv[:, q_size:qk_size].view(rows, num_kv_heads, head_dim),
-                qkv[:, qk_size:].view(rows, num_kv_heads, head_dim),
-                kv_layer,
-                meta,
-                self.scale,
-                native=True,
-                store=False,
-                kv_scales=kv_cache.layer_scales(index),
-            )
+            attn = self._attend_native(qkv, index, meta, kv_cache)
             h = native.add_rmsnorm(x, o_proj(attn), layer.mlp_norm, eps, dtype)
             down = down_proj(native.silu_mul(gate_up_proj(h)))
             if index + 1 < len(layers):
@@ -319,18 +289,53 @@ class LlamaModel:
         x = F.rms_norm(x[meta.logits_indices], (cfg.hidden_size,), self.norm, eps)
         return self.logits(x)
 
+    def _attend_native(
+        self, qkv: torch.Tensor, index: int, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """Layer `index` of the fused paths: rotate q and k of `qkv` ([rows, q + 2 kv] in the
+        model dtype) in place, write k and v into the cache, attend. Returns [rows, q]."""
+        cfg = self.config
+        rows, heads, kv_heads, head_dim = (
+            qkv.shape[0],
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        q_size, qk_size = cfg.q_size, cfg.q_size + cfg.kv_size
+        kv_layer, kv_scales = kv_cache.layer(index), kv_cache.layer_scales(index)
+        native.rope_store(
+            qkv,
+            meta.positions,
+            self.rope_cos_half,
+            self.rope_sin_half,
+            meta.slot_mapping,
+            kv_layer,
+            heads,
+            kv_heads,
+            head_dim,
+            kv_scales,
+        )
+        return paged_attention(
+            qkv[:, :q_size].view(rows, heads, head_dim),
+            qkv[:, q_size:qk_size].view(rows, kv_heads, head_dim),
+            qkv[:, qk_size:].view(rows, kv_heads, head_dim),
+            kv_layer,
+            meta,
+            self.scale,
+            native=True,
+            store=False,
+            kv_scales=kv_scales,
+        )
+
     def _forward_int8(
         self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
         """The fused path with int8 linear layers (kvserve/model/quant.py): each product takes
         int8 rows with their scales and gives int32, which the next kernel dequantizes."""
-        from kvserve.model import native
-
         cfg = self.config
         dtype, eps = self.dtype, cfg.rms_norm_eps
         num_heads, num_kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        rows = token_ids.shape[0]
-        q_size, qk_size = cfg.q_size, cfg.q_size + cfg.kv_size
+        rows, q_size = token_ids.shape[0], cfg.q_size
         weights = self.int8
         last = len(weights.layers) - 1
 
@@ -362,30 +367,7 @@ class LlamaModel:
         q, s = native.add_rmsnorm_q8(x, None, None, None, eps)
         for index, layer in enumerate(weights.layers):
             qkv = native.dequantize(layer.qkv.matmul(q), s, layer.qkv.scale, layer.qkv.bias, dtype)
-            kv_layer = kv_cache.layer(index)
-            native.rope_store(
-                qkv,
-                meta.positions,
-                self.rope_cos_half,
-                self.rope_sin_half,
-                meta.slot_mapping,
-                kv_layer,
-                num_heads,
-                num_kv_heads,
-                head_dim,
-                kv_cache.layer_scales(index),
-            )
-            attn = paged_attention(
-                qkv[:, :q_size].view(rows, num_heads, head_dim),
-                qkv[:, q_size:qk_size].view(rows, num_kv_heads, head_dim),
-                qkv[:, qk_size:].view(rows, num_kv_heads, head_dim),
-                kv_layer,
-                meta,
-                self.scale,
-                native=True,
-                store=False,
-                kv_scales=kv_cache.layer_scales(index),
-            )
+            attn = self._attend_native(qkv, index, meta, kv_cache)
             q, s = native.quantize_rows(attn.view(rows, q_size))
             q, s = native.add_rmsnorm_q8(x, layer.o.matmul(q), s, layer.o.scale, eps)
             q, s = native.silu_mul_q8(
@@ -402,8 +384,6 @@ class LlamaModel:
     def _int8_logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits of the rows x ([rows, hidden] float32, the rotated residual after the
         last layer): the int8 lm_head picks each row's candidates, recomputed exactly."""
-        from kvserve.model import native
-
         weights, eps = self.int8, self.config.rms_norm_eps
         q, s = native.add_rmsnorm_q8(x, None, None, None, eps)
         head = weights.head
@@ -429,8 +409,6 @@ class LlamaModel:
         """Recompute each row's REFINE_TOP_K best logits exactly: x [rows, hidden] float32 are
         the normalized hidden states the final norm gives (its weight applied)."""
         if self.native and logits.is_contiguous():
-            from kvserve.model import native
-
             top = native.topk_rows(logits, REFINE_TOP_K)  # [rows, k]
         else:
             top = logits.topk(REFINE_TOP_K, dim=-1).indices

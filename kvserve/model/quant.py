@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.model import native
+
 # The rotation of the residual stream is fixed, so the same checkpoint always gives the same
 # quantized weights.
 ROTATION_SEED = 0x6B76
@@ -66,8 +68,6 @@ class Int8Weight:
             None if bias is None else bias.float().contiguous(),
             out_features=weight.shape[0],
         )
-        from kvserve.model import native
-
         if weight.shape[1] % 4 == 0 and native.int8_gemm_available():
             result.panels, result.correction = native.pack_int8_weight(quantized)
             result.weight = quantized.new_empty(0)
@@ -76,8 +76,6 @@ class Int8Weight:
     def matmul(self, q: torch.Tensor) -> torch.Tensor:
         """q: [rows, in] int8 -> [rows, out] int32, exact."""
         if self.panels is not None:
-            from kvserve.model import native
-
             return native.int8_gemm(q, self.panels, self.correction, self.out_features)
         return torch._int_mm(q, self.weight.t())
 
@@ -265,7 +263,5 @@ def quantize_model(config, layers: list, norm: torch.Tensor, lm_head: torch.Tens
     weights = Int8Weights(quantized, rotation, rotation.t().contiguous(), block, head)
     packed = [w for layer in quantized for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     if all(w.panels is not None for w in packed):
-        from kvserve.model import native
-
         weights.native_layers = native.int8_layer_table(quantized)
     return weights
