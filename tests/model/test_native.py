@@ -97,12 +97,16 @@ def test_paged_decode_matches_sdpa(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_rows_share_a_table_and_are_causal_by_length(dtype):
+@pytest.mark.parametrize("block_size", [32, 10])
+def test_prefill_rows_share_a_table_and_are_causal_by_length(dtype, block_size):
     """Rows of a prefill chunk (one table, lengths start+1, start+2, ...) next to a decode row
     of another sequence: each row equals causal attention over its own sequence."""
-    heads, kv_heads, head_dim, block_size = 9, 3, 64, 32
-    kv = torch.randn(2, kv_heads, 10, block_size, head_dim, generator=gen(7)).to(dtype)
-    tables = torch.tensor([[4, 8, 1], [6, 0, 0]])
+    heads, kv_heads, head_dim = 9, 3, 64
+    used = -(-70 // block_size)  # blocks for positions 0..69
+    kv = torch.randn(2, kv_heads, used + 7, block_size, head_dim, generator=gen(7)).to(dtype)
+    first = torch.randperm(used + 6, generator=gen(9))[:used]  # scattered, out of order
+    tables = torch.zeros(2, used, dtype=torch.long)
+    tables[0], tables[1, 0] = first, used + 6
     start, n = 20, 50  # prefill rows at positions 20..69 of sequence 0
     lengths = torch.cat([torch.arange(start + 1, start + n + 1), torch.tensor([9])])
     row_tables = torch.tensor([0] * n + [1])

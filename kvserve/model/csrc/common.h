@@ -46,6 +46,40 @@ static inline float exp_approx(float x) {
     return y * scale;
 }
 
+/* In place, softmax of each of `rows` rows of `length` floats (row stride `length`). */
+static inline void softmax_rows(float *scores, int64_t rows, int64_t length) {
+    for (int64_t g = 0; g < rows; g++) {
+        float *s = scores + g * length, top = -INFINITY, total = 0.f;
+        _Pragma("omp simd reduction(max : top)") for (int64_t j = 0; j < length; j++) top =
+            s[j] > top ? s[j] : top;
+        _Pragma("omp simd reduction(+ : total)") for (int64_t j = 0; j < length; j++) {
+            s[j] = exp_approx(s[j] - top);
+            total += s[j];
+        }
+        const float inv = 1.f / total;
+        _Pragma("omp simd") for (int64_t j = 0; j < length; j++) s[j] *= inv;
+    }
+}
+
+/* Half-rotation RoPE, in place, of `count` consecutive heads of `head_dim` values at `row`,
+ * with this position's half tables `c` and `s` ([head_dim / 2] float32). */
+#define DEFINE_ROTATE_HEADS(NAME, T, LOAD, STORE)                                                   \
+    static inline void NAME(T *row, const float *c, const float *s, int64_t count,                \
+                            int64_t head_dim) {                                                   \
+        const int64_t half = head_dim / 2;                                                        \
+        for (int64_t h = 0; h < count; h++) {                                                     \
+            T *x = row + h * head_dim;                                                            \
+            _Pragma("omp simd") for (int64_t i = 0; i < half; i++) {                              \
+                const float a = LOAD(x[i]), b = LOAD(x[i + half]);                                \
+                x[i] = STORE(a * c[i] - b * s[i]);                                                \
+                x[i + half] = STORE(b * c[i] + a * s[i]);                                         \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+DEFINE_ROTATE_HEADS(rotate_heads_f32, float, float_identity, float_identity)
+DEFINE_ROTATE_HEADS(rotate_heads_bf16, uint16_t, bf16_to_float, float_to_bf16)
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 

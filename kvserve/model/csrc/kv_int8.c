@@ -35,7 +35,7 @@ static inline float quantize_vector(const float *x, int64_t n, int8_t *q, int bi
 
 /* Rotate q and k in place (half-rotation RoPE) and store k, v quantized. Arguments as
  * rope_store in layer_ops.c, plus `scales` ([2][kv_heads][num_slots] float32). */
-#define DEFINE_ROPE_STORE_Q8(NAME, T, LOAD, STORE)                                                 \
+#define DEFINE_ROPE_STORE_Q8(NAME, T, LOAD, ROTATE)                                                 \
     void NAME(T *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,   \
               const int64_t *slots, int8_t *kv, float *scales, int64_t rows, int64_t heads,       \
               int64_t kv_heads, int64_t head_dim, int64_t num_slots, int num_threads) {           \
@@ -47,14 +47,7 @@ static inline float quantize_vector(const float *x, int64_t n, int8_t *q, int bi
         for (int64_t r = 0; r < rows; r++) {                                                      \
             T *row = qkv + r * width;                                                             \
             const float *c = cos_table + positions[r] * half, *s = sin_table + positions[r] * half; \
-            for (int64_t h = 0; h < heads + kv_heads; h++) {                                      \
-                T *x = row + h * head_dim;                                                        \
-                _Pragma("omp simd") for (int64_t i = 0; i < half; i++) {                          \
-                    const float a = LOAD(x[i]), b = LOAD(x[i + half]);                            \
-                    x[i] = STORE(a * c[i] - b * s[i]);                                            \
-                    x[i + half] = STORE(b * c[i] + a * s[i]);                                     \
-                }                                                                                 \
-            }                                                                                     \
+            ROTATE(row, c, s, heads + kv_heads, head_dim);                                        \
             const int64_t slot = slots[r];                                                        \
             float buffer[head_dim];                                                               \
             for (int64_t h = 0; h < kv_heads; h++) {                                              \
@@ -69,8 +62,8 @@ static inline float quantize_vector(const float *x, int64_t n, int8_t *q, int bi
         }                                                                                         \
     }
 
-DEFINE_ROPE_STORE_Q8(kvserve_rope_store_q8_f32, float, float_identity, float_identity)
-DEFINE_ROPE_STORE_Q8(kvserve_rope_store_q8_bf16, uint16_t, bf16_to_float, float_to_bf16)
+DEFINE_ROPE_STORE_Q8(kvserve_rope_store_q8_f32, float, float_identity, rotate_heads_f32)
+DEFINE_ROPE_STORE_Q8(kvserve_rope_store_q8_bf16, uint16_t, bf16_to_float, rotate_heads_bf16)
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 int kvserve_kv_int8_available(void) { return 1; }
@@ -154,17 +147,7 @@ static inline void q8_block_values(const float *probs, int64_t stride, int64_t g
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
-        for (int64_t g = 0; g < group; g++) {                                                     \
-            float *s = scores + g * length, top = -INFINITY, total = 0.f;                         \
-            _Pragma("omp simd reduction(max : top)") for (int64_t j = 0; j < length; j++) top =   \
-                s[j] > top ? s[j] : top;                                                          \
-            _Pragma("omp simd reduction(+ : total)") for (int64_t j = 0; j < length; j++) {       \
-                s[j] = exp_approx(s[j] - top);                                                    \
-                total += s[j];                                                                    \
-            }                                                                                     \
-            const float inv = 1.f / total;                                                        \
-            _Pragma("omp simd") for (int64_t j = 0; j < length; j++) s[j] *= inv;                 \
-        }                                                                                         \
+        softmax_rows(scores, group, length);                                                      \
         for (int64_t b = 0; b < num_used; b++) {                                                  \
             const int8_t *values = v_head + table[b] * block_size * HD;                           \
             const float *vs = v_scales + table[b] * block_size;                                   \

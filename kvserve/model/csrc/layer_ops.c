@@ -90,7 +90,7 @@ DEFINE_SILU_MUL(kvserve_silu_mul_bf16, uint16_t, bf16_to_float, float_to_bf16)
  * cos, sin: [max_positions][head_dim / 2] float32 (the half table; both halves share it).
  * kv: this layer's cache [2][kv_heads][num_blocks * block_size][head_dim].
  */
-#define DEFINE_ROPE_STORE(NAME, T, LOAD, STORE)                                                    \
+#define DEFINE_ROPE_STORE(NAME, T, ROTATE)                                                    \
     void NAME(T *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,   \
               const int64_t *slots, T *kv, int64_t rows, int64_t heads, int64_t kv_heads,         \
               int64_t head_dim, int64_t num_slots, int num_threads) {                             \
@@ -101,14 +101,7 @@ DEFINE_SILU_MUL(kvserve_silu_mul_bf16, uint16_t, bf16_to_float, float_to_bf16)
         for (int64_t r = 0; r < rows; r++) {                                                      \
             T *row = qkv + r * width;                                                             \
             const float *c = cos_table + positions[r] * half, *s = sin_table + positions[r] * half; \
-            for (int64_t h = 0; h < heads + kv_heads; h++) {                                      \
-                T *x = row + h * head_dim;                                                        \
-                _Pragma("omp simd") for (int64_t i = 0; i < half; i++) {                          \
-                    const float a = LOAD(x[i]), b = LOAD(x[i + half]);                            \
-                    x[i] = STORE(a * c[i] - b * s[i]);                                            \
-                    x[i + half] = STORE(b * c[i] + a * s[i]);                                     \
-                }                                                                                 \
-            }                                                                                     \
+            ROTATE(row, c, s, heads + kv_heads, head_dim);                                        \
             const int64_t slot = slots[r];                                                        \
             for (int64_t h = 0; h < kv_heads; h++) {                                              \
                 memcpy(k_cache + h * head_stride + slot * head_dim,                               \
@@ -119,5 +112,5 @@ DEFINE_SILU_MUL(kvserve_silu_mul_bf16, uint16_t, bf16_to_float, float_to_bf16)
         }                                                                                         \
     }
 
-DEFINE_ROPE_STORE(kvserve_rope_store_f32, float, float_identity, float_identity)
-DEFINE_ROPE_STORE(kvserve_rope_store_bf16, uint16_t, bf16_to_float, float_to_bf16)
+DEFINE_ROPE_STORE(kvserve_rope_store_f32, float, rotate_heads_f32)
+DEFINE_ROPE_STORE(kvserve_rope_store_bf16, uint16_t, rotate_heads_bf16)

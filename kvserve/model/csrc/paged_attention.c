@@ -124,17 +124,7 @@ static inline void bf16_block_scores(const void *q_rows, int64_t group, const vo
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
-        for (int64_t g = 0; g < group; g++) {                                                     \
-            float *s = scores + g * length, top = -INFINITY, total = 0.f;                         \
-            _Pragma("omp simd reduction(max : top)") for (int64_t j = 0; j < length; j++) top =   \
-                s[j] > top ? s[j] : top;                                                          \
-            _Pragma("omp simd reduction(+ : total)") for (int64_t j = 0; j < length; j++) {       \
-                s[j] = exp_approx(s[j] - top);                                                   \
-                total += s[j];                                                                    \
-            }                                                                                     \
-            const float inv = 1.f / total;                                                        \
-            _Pragma("omp simd") for (int64_t j = 0; j < length; j++) s[j] *= inv;                 \
-        }                                                                                         \
+        softmax_rows(scores, group, length);                                                      \
         for (int64_t b = 0; b < num_used; b++) {                                                  \
             const T *base = v_head + table[b] * block_size * HD;                                  \
             const int64_t n = length - b * block_size < block_size ? length - b * block_size      \
@@ -201,9 +191,6 @@ DEFINE_TASK(task_bf16_128, uint16_t, bf16_to_float, float_to_bf16, 128, HAVE_BF1
 DEFINE_ENTRY(kvserve_paged_decode_f32, float, task_f32_64, task_f32_128)
 #if HAVE_BF16_DOT
 #define TILE_ROWS 16
-
-/* every row alone (the tiled entry below hands over when blocks are not 32 positions) */
-DEFINE_ENTRY(kvserve_paged_decode_bf16_rows, uint16_t, task_bf16_64, task_bf16_128)
 
 /*
  * Consecutive rows of one prefill chunk (one table, lengths growing by one), up to TILE_ROWS
@@ -356,11 +343,6 @@ int kvserve_paged_decode_bf16(const uint16_t *q, int64_t q_row_stride, const uin
                               int64_t block_size, float scale, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || (head_dim != 64 && head_dim != 128)) return -1;
-    if (block_size % 4 != 0)
-        return kvserve_paged_decode_bf16_rows(q, q_row_stride, kv, block_tables, table_width,
-                                              row_tables, lengths, out, out_row_stride, num_seqs,
-                                              num_heads, num_kv_heads, head_dim, num_blocks,
-                                              block_size, scale, num_threads);
     const int64_t head_stride = num_blocks * block_size * head_dim;
     const uint16_t *k_base = kv, *v_base = kv + num_kv_heads * head_stride;
     /* Tiles: runs of rows of one prefill chunk (same table, lengths growing by one). */
