@@ -47,13 +47,16 @@ MAX_DOWN_BLOCK = 4096
 
 @dataclass(slots=True)
 class Int8Weight:
-    weight: torch.Tensor  # [out, in] int8; with `panels`, an empty placeholder
+    weight: torch.Tensor | None  # [out, in] int8; None once packed into `panels`
     scale: torch.Tensor  # [out] float32
     bias: torch.Tensor | None  # [out] float32
     # The weight packed for the VNNI kernel (kvserve/model/csrc/int8_gemm.c), when available:
     panels: torch.Tensor | None = None
     correction: torch.Tensor | None = None
-    out_features: int = 0
+
+    @property
+    def out_features(self) -> int:
+        return self.scale.shape[0]
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Weight:
@@ -66,11 +69,10 @@ class Int8Weight:
             quantized.contiguous(),
             scale.contiguous(),
             None if bias is None else bias.float().contiguous(),
-            out_features=weight.shape[0],
         )
         if weight.shape[1] % 4 == 0 and native.int8_gemm_available():
             result.panels, result.correction = native.pack_int8_weight(quantized)
-            result.weight = quantized.new_empty(0)
+            result.weight = None
         return result
 
     def matmul(self, q: torch.Tensor) -> torch.Tensor:
