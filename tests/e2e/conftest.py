@@ -56,7 +56,8 @@ def server_factory(loaded_default):
 
     Servers not stopped by the test are stopped when the session ends."""
     from kvserve.engine.engine import Engine
-    from kvserve.server.app import BackgroundServer, create_app
+    from kvserve.server.app import create_app
+    from tests.e2e.harness import BackgroundServer
 
     started: list[BackgroundServer] = []
 
