@@ -222,6 +222,15 @@ class LlamaModel:
         """
         if kv_cache.quantized and not self.supports_int8_kv_cache:
             raise ValueError(KV_INT8_REQUIREMENTS)
+        if self.native:
+            # The C kernels trust the indices they are handed: check them once for the step.
+            native.check_step_indices(
+                meta,
+                kv_cache.num_blocks,
+                kv_cache.block_size,
+                self.rope_cos_half.shape[0],
+                token_ids.shape[0],
+            )
         if self.int8 is not None:
             return self._forward_int8(token_ids, meta, kv_cache)
         if self.fused and self.native:
@@ -385,6 +394,8 @@ class LlamaModel:
         """float32 logits of the rows x ([rows, hidden] float32, the rotated residual after the
         last layer): the int8 lm_head picks each row's candidates, recomputed exactly."""
         weights, eps = self.int8, self.config.rms_norm_eps
+        if x.shape[0] == 0:  # a step whose chunks all continue a prompt samples nothing
+            return x.new_empty(0, self.config.vocab_size)
         q, s = native.add_rmsnorm_q8(x, None, None, None, eps)
         head = weights.head
         logits = native.dequantize(head.matmul(q), s, head.scale, None, torch.float32)
@@ -401,6 +412,8 @@ class LlamaModel:
         row are recomputed exactly in float32. Greedy choices and the head of the distribution
         are then as exact as the weights allow, for the cost of a [rows, k] product.
         """
+        if x.shape[0] == 0:  # a step whose chunks all continue a prompt samples nothing
+            return x.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         if self.dtype == torch.float32:
             return F.linear(x, self.lm_head)
         return self._refine(self.head(x.to(self.dtype)).float(), x)
