@@ -25,7 +25,11 @@ TensorSource = Callable[[str], torch.Tensor | None]
 
 KV_INT8_REQUIREMENTS = (
     "--kv-cache-dtype int8 runs on the CPU kernels (needs a C compiler, a CPU with AVX512-VNNI, "
-    "float32 or bfloat16, and a model without q/k norms)"
+    "float32 or bfloat16, and head_dim 64 or 128)"
+)
+INT8_REQUIREMENTS = (
+    "--quantization int8 runs on the CPU kernels (needs a C compiler, a CPU device, "
+    "float32 or bfloat16, and head_dim 64 or 128)"
 )
 
 # Candidates per row whose logits are recomputed in float32 when the weights are bf16/fp16.
@@ -73,8 +77,10 @@ class LlamaModel:
         self.native = native.supports(
             self.device, self.dtype, config.num_heads, config.num_kv_heads, config.head_dim
         )
-        # The fused C layer ops (norms, RoPE + cache write, SiLU) — not for q/k-norm models.
-        self.fused = self.native and not config.qk_norm
+        # The fused C layer ops (norms, RoPE + cache write, SiLU); q/k norms, where the model
+        # has them, run in torch between the qkv product and the RoPE + cache write kernel.
+        self.fused = self.native
+        self.qk_norms = [w.qk_norm for w in layers]
         self._build_rope_tables(config.max_position_embeddings)
         self.quantization = quantization
         self.int8: Int8Weights | None = None
@@ -93,13 +99,12 @@ class LlamaModel:
         """Replace the linear layers by rotated int8 ones (kvserve/model/quant.py). The float
         layer weights are dropped; embeddings and lm_head become their rotated copies."""
         if not self.fused:
-            raise ValueError(
-                "--quantization int8 runs on the CPU kernels (needs a C compiler, a CPU device, "
-                "float32 or bfloat16, and a model without q/k norms)"
-            )
+            raise ValueError(INT8_REQUIREMENTS)
         if not hasattr(torch, "_int_mm"):
             raise ValueError("--quantization int8 needs torch._int_mm (torch >= 2.2)")
         self.int8 = quantize_model(self.config, self.layers, self.norm, self.lm_head)
+        if self.config.qk_norm:
+            self.int8.native_layers = None  # the one-call C driver has no q/k norm step
         self.layers = []
         self.projections = []
         self.head = None  # the int8 head picks candidates; self.lm_head recomputes them
@@ -312,6 +317,11 @@ class LlamaModel:
         )
         q_size, qk_size = cfg.q_size, cfg.q_size + cfg.kv_size
         kv_layer, kv_scales = kv_cache.layer(index), kv_cache.layer_scales(index)
+        qk_norm = self.qk_norms[index]
+        if qk_norm is not None:
+            # qk: [rows, heads + kv_heads, head_dim], normalized per head before RoPE
+            qk = qkv[:, :qk_size].view(rows, heads + kv_heads, head_dim)
+            qk.copy_(F.rms_norm(qk.float(), (head_dim,), None, cfg.rms_norm_eps) * qk_norm)
         native.rope_store(
             qkv,
             meta.positions,

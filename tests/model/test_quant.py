@@ -288,10 +288,11 @@ def test_int8_model_is_smaller_and_says_so(loaded_default, loaded_int8):
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_int8_tiny_checkpoints_follow_float32(tmp_path, arch):
-    """Other shapes (hidden 128, one KV head, q/k/v biases for qwen2, a 112-wide MLP whose
-    down_proj input rotates in blocks of 16): int8 logits stay close to float32's."""
+    """Other shapes (hidden 128, one KV head, q/k/v biases for qwen2, q/k norms for qwen3, a
+    112-wide MLP whose down_proj input rotates in blocks of 16): int8 logits stay close to
+    float32's."""
     config = tiny_config(
         arch, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64
     )
@@ -316,7 +317,7 @@ def test_int8_tiny_checkpoints_follow_float32(tmp_path, arch):
 
 
 def test_int8_refuses_models_without_the_fused_path(tmp_path):
-    config = tiny_config("qwen3")  # q/k norms: no fused kernels
+    config = tiny_config("qwen3")  # head_dim 32: no C kernels for it
     save_tiny(tmp_path, config)
     checkpoint = SafetensorsCheckpoint(tmp_path)
     with pytest.raises(ValueError, match="--quantization int8"):
