@@ -175,7 +175,7 @@ def test_api_key(server):
     # Probes and scrapes stay open.
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(server.url + path).status_code == 200
-    assert httpx.post(url, json=payload, headers=AUTH).status_code == 200
+    assert httpx.post(url, json=payload, headers=AUTH, timeout=60).status_code == 200
 
 
 @pytest.mark.parametrize(
