@@ -41,6 +41,7 @@ test: install browser
 bench: install
 	$(PY) -m kvserve.bench.run $(ARGS)
 	$(PY) -m kvserve.bench.run --quantization int8 --kv-cache-dtype int8 $(ARGS)
+	$(PY) -m kvserve.bench.quality --output docs/benchmarks.md
 
 lint: install
 	$(VENV)/bin/ruff check kvserve tests
