@@ -135,11 +135,6 @@ class QualityRow:
     num_tokens: int  # of the text, scored as one sequence
 
 
-def load(config: QualityConfig) -> LoadedModel:
-    """The default model as `config` says."""
-    return load_model(None, config.device)
-
-
 def measure_quality(
     configs: Sequence[QualityConfig],
     *,
@@ -157,7 +152,7 @@ def measure_quality(
     text = quality_text()
     scores: dict[str, TokenScores] = {}
     for config in configs:
-        model = loaded.get(config.name) or load(config)
+        model = loaded.get(config.name) or load_model(None, config.device)
         ids = model.tokenizer.encode(text)[:max_tokens]
         scores[config.name] = device_thread.call(
             score_tokens,
