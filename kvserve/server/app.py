@@ -41,8 +41,8 @@ from starlette.responses import Response
 from kvserve.config import ServerConfig
 from kvserve.engine.engine import Engine, EngineObserver
 from kvserve.engine.stream import Delta, Stream
+from kvserve.params import SamplingParams
 from kvserve.request import EngineError, GenerationRequest, RequestCancelled
-from kvserve.sampling import SamplingParams
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (
     APIError,

@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvserve.engine.stream import TokenLogprob, Usage
+from kvserve.params import SamplingParams, SamplingParamsError
 from kvserve.request import EngineError, Overloaded
-from kvserve.sampling import SamplingParams, SamplingParamsError
 
 __all__ = [
     "APIError",
