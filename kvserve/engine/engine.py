@@ -234,6 +234,8 @@ class Engine:
             await self._task
         finally:
             self._task = None
+            # Its worker thread goes with the engine (a compilation in progress takes ms).
+            self.structured.close()
 
     @property
     def running(self) -> bool:

@@ -20,6 +20,7 @@ answer can only end complete (or be cut by max_tokens).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -129,23 +130,22 @@ class StructuredOutputManager:
         self._max_cached = max_cached
         self._cache: OrderedDict[tuple[str, str], Future[llguidance.LLMatcher]] = OrderedDict()
         self._lock = threading.Lock()
-        self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar")
+        self._worker: ThreadPoolExecutor | None = None
 
-    def warm(self) -> Future[None]:
-        """Build llguidance's view of the vocabulary (~0.4 s) on the worker now, so the first
-        constrained request does not pay for it."""
-        return self._worker.submit(self._llg_tokenizer)
+    def _started_worker(self) -> ThreadPoolExecutor:
+        """The worker thread, started if needed; the caller holds the lock."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar")
+        return self._worker
+
+    def warm(self) -> Future:
+        """Build llguidance's view of the vocabulary (~0.4 s, once per tokenizer) on the worker
+        now, so the first constrained request does not pay for it."""
+        with self._lock:
+            return self._started_worker().submit(self._llg_tokenizer)
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
-        if self._ll_tokenizer is None:
-            eos = sorted(self._tokenizer.eos_token_ids)
-            self._ll_tokenizer = llguidance.LLTokenizer(
-                self._tokenizer.backend_json(),
-                n_vocab=self.vocab_size,
-                eos_token=eos if eos else None,
-            )
-        return self._ll_tokenizer
+        return _llg_tokenizer(self._tokenizer, self.vocab_size)
 
     def compile(self, constraint: StructuredOutput) -> Future[llguidance.LLMatcher]:
         """The compiled grammar of `constraint`: a done future when cached, else one that the
@@ -156,7 +156,7 @@ class StructuredOutputManager:
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-            future = self._worker.submit(self._compile, constraint)
+            future = self._started_worker().submit(self._compile, constraint)
             self._cache[key] = future
             while len(self._cache) > self._max_cached:
                 self._cache.popitem(last=False)
@@ -178,8 +178,24 @@ class StructuredOutputManager:
         return GrammarState(compiled.deep_copy())
 
     def close(self) -> None:
-        """Stop the worker (compilations in progress finish)."""
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        """Stop the worker thread once the compilation in progress (if any) finishes; a later
+        `compile` starts a new one. Compilations not started are cancelled (and dropped from
+        the cache)."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+            for key in [key for key, future in self._cache.items() if not future.done()]:
+                del self._cache[key]
+        if worker is not None:
+            worker.shutdown(wait=True, cancel_futures=True)
+
+
+@functools.lru_cache(maxsize=4)
+def _llg_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """llguidance's view of a vocabulary; built once per tokenizer (engines share models)."""
+    eos = sorted(tokenizer.eos_token_ids)
+    return llguidance.LLTokenizer(
+        tokenizer.backend_json(), n_vocab=vocab_size, eos_token=eos if eos else None
+    )
 
 
 def _describe(kind: str) -> str:

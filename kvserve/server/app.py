@@ -61,6 +61,8 @@ from kvserve.server.protocol import (
     validation_error_from_list,
 )
 from kvserve.server.sse import DONE, ClientGone, DisconnectWatcher, EventStreamResponse, event
+from kvserve.server.structured import structured
+from kvserve.server.tools import ToolChatRenderer, parser_for, plan_tools, tool_prompt
 from kvserve.tokenizer import ChatTemplateError
 
 __all__ = [
@@ -329,16 +331,14 @@ class ServerState:
                     if delta.finished:
                         final = delta
                         break
-                    chunk = renderer.delta_chunk(delta.text, delta.logprobs, None)
-                    if chunk is not None:
-                        parts.append(event(chunk))
+                    parts += map(event, renderer.delta_chunks(delta.text, delta.logprobs, None))
                 if final is not None:
                     _record_end(exchange, final)
                     if final.finish_reason in _GOOD_ENDINGS:
-                        chunk = renderer.delta_chunk(
+                        chunks = renderer.delta_chunks(
                             final.text, final.logprobs, final.finish_reason
                         )
-                        parts.append(event(chunk))
+                        parts += map(event, chunks)
                         if include_usage:
                             parts.append(event(renderer.usage_chunk(final.usage)))
                     else:
@@ -673,29 +673,53 @@ def create_app(
                     f"'chat_template_kwargs' may not set '{reserved}'",
                     param="chat_template_kwargs",
                 )
-        # Validate before tokenizing: a bad parameter costs no template rendering.
-        params = sampling_params(body, engine.model_config.vocab_size)
-        messages = [message.model_dump(exclude_none=True) for message in body.messages]
         tokenizer = engine.tokenizer
+        tools = plan_tools(
+            body.tools,
+            body.tool_choice,
+            parallel_tool_calls=body.parallel_tool_calls,
+            parser=parser_for(tokenizer.chat_template, state.config.tool_call_parser),
+        )
+        constraint = structured(body)
+        if constraint is not None and tools is not None and tools.constraint is not None:
+            raise APIError(
+                400,
+                "a required or named tool choice already constrains the answer; "
+                "drop 'response_format'/'structured_outputs'",
+                param="tool_choice",
+            )
+        # Validate before tokenizing: a bad parameter costs no template rendering.
+        params = sampling_params(
+            body,
+            engine.model_config.vocab_size,
+            constraint or (tools.constraint if tools is not None else None),
+        )
+        messages = [message.model_dump(exclude_none=True) for message in body.messages]
+        messages, template_kwargs = tool_prompt(
+            tools, messages, tokenizer.chat_template, template_kwargs
+        )
         try:
             prompt_ids = await _in_thread(
                 lambda: tokenizer.encode_chat(messages, **template_kwargs)
             )
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        renderer = ChatRenderer(
+        renderer_args = (
             f"chatcmpl-{exchange.request_id}",
             state.model_name,
             int(time.time()),
             tokenizer.token_bytes,
-            logprobs=bool(body.logprobs),
         )
+        if tools is not None and tools.offers_tools:
+            renderer = ToolChatRenderer(*renderer_args, logprobs=bool(body.logprobs), plan=tools)
+        else:
+            renderer = ChatRenderer(*renderer_args, logprobs=bool(body.logprobs))
         return await state.generate(request, exchange, prompt_ids, body, params, renderer)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         exchange, engine, body = await accept(request, CompletionRequest)
-        params = sampling_params(body, engine.model_config.vocab_size)
+        params = sampling_params(body, engine.model_config.vocab_size, structured(body))
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
