@@ -286,7 +286,7 @@ class WeatherArgs(BaseModel):
 
 
 class TimeArgs(BaseModel):
-    timezone: Annotated[str, Field(pattern=r"^[A-Z][a-z]+/[A-Z][a-z]+$")]
+    timezone: Annotated[str, Field(pattern=r"^[A-Z][a-z]{1,12}/[A-Z][a-z]{1,12}$")]
 
 
 TOOLS = [
