@@ -8,12 +8,12 @@ import json
 import pytest
 
 from kvserve.engine.stream import Usage
+from kvserve.server.dialects.openai_chat import ToolChatRenderer
 from kvserve.server.protocol import APIError
 from kvserve.server.tools import (
     FALLBACK_TOOL_PROMPT,
     HermesToolParser,
     ToolCall,
-    ToolChatRenderer,
     parse_required,
     plan_tools,
     tool_prompt,
