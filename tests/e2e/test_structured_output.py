@@ -372,7 +372,13 @@ def test_streamed_calls_accumulate_in_the_client_helper(client, model, tool_choi
 
 def test_a_full_tool_round_trip(client, model):
     first = client.chat.completions.create(
-        model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS
+        model=model,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
     )
     call = first.choices[0].message.tool_calls[0]
     check_calls([call])
