@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from kvserve.sampling import SamplingParams
+from kvserve.params import SamplingParams
 
 _ids = itertools.count()
 

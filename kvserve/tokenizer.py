@@ -531,6 +531,10 @@ class Tokenizer:
         """Whether the model expects a BOS token before a plain prompt."""
         return self._add_bos
 
+    def backend_json(self) -> str:
+        """The vocabulary as a Hugging Face `tokenizer.json` text (grammar engines read it)."""
+        return self._backend.to_str()
+
     # --- text <-> ids ---------------------------------------------------------------------
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:

@@ -14,10 +14,10 @@ from typing import Protocol
 import torch
 
 from kvserve.core.plan import StepPlan
+from kvserve.engine.sampler import RowState, Sampler
 from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.llama import LlamaModel
-from kvserve.sampling import RowState, Sampler
 
 
 class SequenceTokens(Protocol):

@@ -10,8 +10,13 @@ reads the plan (immutable) and the planned requests' tokens (not modified during
 
 Every way a request ends — finish, stop string, cancel, slow consumer, queue timeout, error,
 shutdown — goes through `_release`, which returns its slot and blocks (Scheduler.release, which
-also offers the capacity signal) or removes it from the queue, and ends its stream with a final
-delta carrying the finish reason and usage.
+also offers the capacity signal) or removes it from the queue, drops its grammar state, and ends
+its stream with a final delta carrying the finish reason and usage.
+
+A request under structured output whose grammar is not compiled yet waits in the "compiling"
+state: registered (it can be cancelled) but neither queued nor holding a slot. The grammar
+compiles on the structured-output worker; when it lands, the request joins admission as any
+other (or ends with a 400 if the grammar engine refused it).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -37,10 +43,13 @@ from kvserve.core import (
 )
 from kvserve.core.scheduler import admit_or_enqueue, admit_waiting
 from kvserve.engine.batch import Batch, StepOutput
+from kvserve.engine.sampler import RowState, Sampler, make_generator
 from kvserve.engine.stream import Delta, Stream, TokenLogprob, Usage
+from kvserve.engine.structured import GrammarError, GrammarState, StructuredOutputManager
 from kvserve.model import device_thread
 from kvserve.model.kv_cache import KVCache, PoolSize, choose_cache_dtype, choose_pool_size
 from kvserve.model.loader import LoadedModel, load_model
+from kvserve.params import SamplingParamsError
 from kvserve.request import (
     EngineError,
     EngineStopped,
@@ -50,7 +59,6 @@ from kvserve.request import (
     QueueTimeout,
     RequestCancelled,
 )
-from kvserve.sampling import RowState, Sampler, SamplingParamsError, make_generator
 
 log = logging.getLogger("kvserve.engine")
 
@@ -97,7 +105,9 @@ class RequestState:
     stop_token_ids: frozenset[int]
     all_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
-    status: str = "queued"  # queued | running | finished
+    status: str = "queued"  # compiling | queued | running | finished
+    reserve: int = 0  # KV positions reserved at admission beyond the prompt
+    grammar: GrammarState | None = None  # structured output; dropped on release
     finish_reason: str | None = None
     cancel_reason: str | None = None  # set while running; applied at the next step boundary
     admitted_at: float | None = None
@@ -123,6 +133,7 @@ class RequestState:
             generator=self.generator,
             prompt_token_ids=self.request.prompt_token_ids,
             output_token_ids=self.output_token_ids,
+            grammar=self.grammar,
         )
 
 
@@ -186,6 +197,7 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.queue = AdmissionQueue.from_config(config.queue, config.scheduler.max_num_seqs)
         self.batch = Batch(self.loaded.model, self.kv_cache, Sampler(seed=config.seed))
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
         self.step_log: deque[StepRecord] | None = deque(maxlen=10_000) if record_steps else None
         self._requests: dict[str, RequestState] = {}
         self._pending_cancels: list[str] = []
@@ -205,6 +217,8 @@ class Engine:
             self.config.scheduler, self.pool, self.max_model_len, capacity=self._signal
         )
         self._stopping = False
+        self._loop = asyncio.get_running_loop()
+        self.structured.warm()
         self._task = asyncio.create_task(self._run(), name="kvserve-engine")
 
     async def stop(self) -> None:
@@ -217,6 +231,8 @@ class Engine:
             await self._task
         finally:
             self._task = None
+            # Its worker thread goes with the engine (a compilation in progress takes ms).
+            self.structured.close()
 
     @property
     def running(self) -> bool:
@@ -264,18 +280,66 @@ class Engine:
             ),
             stop_token_ids=frozenset(stop_ids),
             all_token_ids=list(prompt),
+            reserve=reserve,
         )
+        if params.structured is not None:
+            compiled = self.structured.compile(params.structured)
+            if not compiled.done():
+                # Compiling holds no slot and no queue place; admission follows it.
+                state.status = "compiling"
+                self._requests[request_id] = state
+                compiled.add_done_callback(lambda future: self._compiled_soon(state, future))
+                return state.stream
+            state.grammar = self._grammar_state(compiled)  # cached: raises InvalidRequest
+        self._admit_or_enqueue(state)
+        self._requests[request_id] = state
+        self._wake.set()
+        return state.stream
+
+    def _admit_or_enqueue(self, state: RequestState) -> None:
+        """Take a slot or a queue place; raises QueueFull (nothing registered by it)."""
         outcome = admit_or_enqueue(
-            self.scheduler, self.queue, request_id, len(prompt), reserve, time.monotonic()
+            self.scheduler,
+            self.queue,
+            state.request_id,
+            state.num_prompt_tokens,
+            state.reserve,
+            time.monotonic(),
         )
         if outcome is Outcome.QUEUE_FULL:
             self.observer.on_rejected("queue_full")
             raise QueueFull(self.config.queue.queue_timeout)
-        self._requests[request_id] = state
+        state.status = "queued"
         if outcome is Outcome.ADMITTED:
             self._mark_admitted(state)
+
+    # -- structured output ---------------------------------------------------------------------
+
+    def _grammar_state(self, compiled: Future) -> GrammarState:
+        """A request's matcher from a finished compilation; InvalidRequest when refused."""
+        try:
+            return self.structured.matcher(compiled.result())
+        except GrammarError as exc:
+            raise InvalidRequest(exc.message, exc.param) from None
+
+    def _compiled_soon(self, state: RequestState, compiled: Future) -> None:
+        """On the compiling thread: hand the result to the loop thread."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: shutdown ended the request
+            self._loop.call_soon_threadsafe(self._compiled, state, compiled)
+
+    def _compiled(self, state: RequestState, compiled: Future) -> None:
+        """A grammar landed for a request waiting in "compiling": admit it or refuse it."""
+        if state.status != "compiling":
+            return  # cancelled or shut down meanwhile
+        try:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            state.grammar = self._grammar_state(compiled)
+            self._admit_or_enqueue(state)
+        except EngineError as exc:
+            self._release(state, "error", error=exc)
+            return
         self._wake.set()
-        return state.stream
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         """Stop a request: at once while queued, at the next step boundary while running.
@@ -283,7 +347,7 @@ class Engine:
         state = self._requests.get(request_id)
         if state is None or state.status == "finished":
             return False
-        if state.status == "queued":
+        if state.status in ("queued", "compiling"):
             self._release(state, reason, error=RequestCancelled("the client closed the request"))
         elif state.cancel_reason is None:
             state.cancel_reason = reason
@@ -436,6 +500,11 @@ class Engine:
             if state.cancel_reason is not None:
                 continue  # ends at this boundary; the token is not delivered
             token = sampled.token_id
+            if state.grammar is not None and not state.grammar.accept(token):
+                # The mask allowed only grammar tokens; this is a grammar engine failure.
+                error = EngineError(f"structured output failed: {state.grammar.error}")
+                self._release(state, "error", error=error)
+                continue
             state.output_token_ids.append(token)
             state.all_token_ids.append(token)
             self.observer.on_token(state, now)  # sees the previous token's time, if any
@@ -457,6 +526,11 @@ class Engine:
                 text = detok.add(token)
                 if detok.stopped:
                     reason = "stop"
+                elif state.grammar is not None and state.grammar.is_stopped:
+                    # The grammar is complete and allows nothing more: end without the step
+                    # that would only draw the end-of-sequence token.
+                    reason = "stop"
+                    text += detok.flush()
                 elif state.num_output_tokens >= state.max_tokens:
                     reason = "length"
                     text += detok.flush()
@@ -503,9 +577,10 @@ class Engine:
             return
         if state.status == "running":
             self.scheduler.release(state.request_id)
-        elif queued:
+        elif queued and state.status == "queued":
             self.queue.cancel(state.request_id)
         state.status = "finished"
+        state.grammar = None
         state.finish_reason = reason
         state.finished_at = time.monotonic()
         del self._requests[state.request_id]

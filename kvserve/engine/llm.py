@@ -16,8 +16,8 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.stream import Delta, TokenLogprob, Usage
 from kvserve.model.loader import LoadedModel
+from kvserve.params import SamplingParams
 from kvserve.request import GenerationRequest
-from kvserve.sampling import SamplingParams
 
 Prompt = str | Sequence[int]
 Conversation = Sequence[Mapping[str, Any]]

@@ -30,8 +30,8 @@ from starlette.responses import Response
 from kvserve.config import ServerConfig
 from kvserve.engine.engine import Engine, EngineObserver
 from kvserve.engine.stream import Delta, Stream
+from kvserve.params import SamplingParams
 from kvserve.request import EngineError, GenerationRequest, RequestCancelled
-from kvserve.sampling import SamplingParams
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError, ModelT, dumps, parse_request, refused_fields
 from kvserve.server.sse import ClientGone, DisconnectWatcher, EventStreamResponse

@@ -1,5 +1,6 @@
 """No leaks, property-tested: any interleaving of submits, cancels (queued, prefilling,
-decoding), slow consumers, stop strings, max_tokens and queue timeouts drains to an idle engine:
+decoding, waiting for a grammar, in the middle of a grammar), slow consumers, stop strings,
+max_tokens, queue timeouts and structured output drains to an idle engine:
 every block and slot free, the queue empty, no task or thread left behind, and every request
 ended exactly once with its own tokens.
 
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.engine.engine import Engine
+from kvserve.params import StructuredOutput
 from kvserve.request import QueueFull, RequestCancelled
 from tests.engine.helpers import make_config, request
 
@@ -44,30 +46,41 @@ request_specs = st.fixed_dictionaries(
         "behaviour": behaviours,
         "delay_steps": st.integers(0, 6),
         "param": st.integers(0, 4),
+        "constrained": st.sampled_from([False, False, True]),
     }
 )
 
+# A language of several words, so a cancel or max_tokens lands in the middle of it.
+GRAMMAR = StructuredOutput.regex(r"(river|stone|light|paper)( (river|stone|light|paper)){0,12}")
 
-_REFERENCE: dict[tuple[int, ...], list[int]] = {}
+
+_REFERENCE: dict[tuple[tuple[int, ...], bool], list[int]] = {}
 
 
-def reference_tokens(loaded, prompt_ids: tuple[int, ...]) -> list[int]:
+def reference_tokens(loaded, prompt_ids: tuple[int, ...], constrained: bool) -> list[int]:
     """Greedy tokens for the prompt run alone on a fresh engine (cached across examples)."""
-    if prompt_ids not in _REFERENCE:
+    key = (prompt_ids, constrained)
+    if key not in _REFERENCE:
 
         async def alone():
             engine = Engine(make_config(slots=1, blocks=8, max_model_len=128), loaded)
             await engine.start()
             try:
                 stream = engine.submit(
-                    request(prompt_ids, max_tokens=10, temperature=0, ignore_eos=True)
+                    request(
+                        prompt_ids,
+                        max_tokens=10,
+                        temperature=0,
+                        ignore_eos=True,
+                        structured=GRAMMAR if constrained else None,
+                    )
                 )
                 return [t async for d in stream for t in d.token_ids]
             finally:
                 await engine.stop()
 
-        _REFERENCE[prompt_ids] = asyncio.run(alone())
-    return _REFERENCE[prompt_ids]
+        _REFERENCE[key] = asyncio.run(alone())
+    return _REFERENCE[key]
 
 
 def prompt(tokenizer, words: int, seed: int) -> list[int]:
@@ -88,6 +101,7 @@ async def drive(engine: Engine, tokenizer, index: int, spec: dict) -> dict:
         temperature=0,
         stop=[spec["stop"]] if spec["stop"] else [],
         ignore_eos=spec["param"] % 2 == 0,
+        structured=GRAMMAR if spec["constrained"] else None,
     )
     try:
         stream = engine.submit(req)
@@ -107,7 +121,12 @@ async def drive(engine: Engine, tokenizer, index: int, spec: dict) -> dict:
         deltas.append(delta)
         if behaviour == "cancel_after_tokens" and len(deltas) == spec["param"] + 1:
             engine.cancel(req.request_id)
-    return {"outcome": "streamed", "deltas": deltas, "prompt": req.prompt_token_ids}
+    return {
+        "outcome": "streamed",
+        "deltas": deltas,
+        "prompt": req.prompt_token_ids,
+        "constrained": spec["constrained"],
+    }
 
 
 # Derandomized: CI explores the same 25 interleavings every run, so a failure reproduces
@@ -164,5 +183,5 @@ def test_any_interleaving_drains_to_an_idle_engine(loaded_fp32, specs):
         if final.finish_reason == "cancelled":
             assert isinstance(final.error, RequestCancelled)
         # Its own tokens, never another request's: what it got is what it gets alone.
-        expected = reference_tokens(loaded_fp32, result["prompt"])
+        expected = reference_tokens(loaded_fp32, result["prompt"], result["constrained"])
         assert tokens == expected[: len(tokens)]

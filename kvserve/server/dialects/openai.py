@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvserve.engine.stream import Delta, TokenLogprob, Usage
-from kvserve.sampling import SamplingParams, SamplingParamsError
+from kvserve.params import SamplingParams, SamplingParamsError, StructuredOutput
 from kvserve.server.protocol import APIError, _Model, dumps
 from kvserve.server.sse import DONE, event
 
@@ -66,6 +66,9 @@ class _SamplingFields(_Model):
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    # structured output (kvserve.server.structured reads them)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -80,6 +83,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # tool calling (kvserve.server.tools reads them)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -98,9 +105,13 @@ def _or(value: Any, default: Any) -> Any:
 
 
 def sampling_params(
-    request: ChatCompletionRequest | CompletionRequest, vocab_size: int
+    request: ChatCompletionRequest | CompletionRequest,
+    vocab_size: int,
+    structured: StructuredOutput | None = None,
 ) -> SamplingParams:
-    """The request's SamplingParams, validated; APIError(400) names the request's own field."""
+    """The request's SamplingParams, validated; APIError(400) names the request's own field.
+    `structured` is the answer's constraint (from response_format, structured_outputs or
+    tools)."""
     if _or(request.n, 1) != 1:
         raise APIError(400, "'n': only n=1 is supported", param="n")
     if isinstance(request, ChatCompletionRequest):
@@ -133,6 +144,7 @@ def sampling_params(
             repetition_penalty=_or(request.repetition_penalty, 1.0),
             logit_bias=_or(request.logit_bias, ()),
             logprobs=logprobs,
+            structured=structured,
         )
         params.validate(vocab_size)
     except SamplingParamsError as exc:
@@ -272,6 +284,13 @@ class _Renderer:
         """The extra chunk of `stream_options.include_usage`: no choices, the usage."""
         return self._chunk([], usage)
 
+    def delta_chunks(
+        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
+    ) -> list[str]:
+        """The chunks for one delta (renderers that reshape the answer may send several)."""
+        chunk = self.delta_chunk(text, logprobs, finish_reason)
+        return [] if chunk is None else [chunk]
+
     def delta_chunk(
         self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
     ) -> str | None:
@@ -312,12 +331,11 @@ class OpenAIStream:
         return "".join(event(chunk) for chunk in self.renderer.start_chunks())
 
     def frames(self, delta: Delta) -> str:
-        chunk = self.renderer.delta_chunk(delta.text, delta.logprobs, None)
-        return "" if chunk is None else event(chunk)
+        return "".join(map(event, self.renderer.delta_chunks(delta.text, delta.logprobs, None)))
 
     def tail(self, final: Delta) -> str:
-        chunk = self.renderer.delta_chunk(final.text, final.logprobs, final.finish_reason)
-        parts = [event(chunk)] if chunk is not None else []
+        chunks = self.renderer.delta_chunks(final.text, final.logprobs, final.finish_reason)
+        parts = [event(chunk) for chunk in chunks]
         if self.include_usage and final.usage is not None:
             parts.append(event(self.renderer.usage_chunk(final.usage)))
         return "".join(parts) + DONE.decode()

@@ -21,6 +21,7 @@ from kvserve.server.dialects.openai import (
     usage_dict,
 )
 from kvserve.server.protocol import APIError
+from kvserve.server.structured import structured
 
 __all__ = ["PATHS", "CompletionRenderer", "register"]
 
@@ -73,7 +74,7 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         exchange, engine, body = await state.accept(request, CompletionRequest)
-        params = sampling_params(body, engine.model_config.vocab_size)
+        params = sampling_params(body, engine.model_config.vocab_size, structured(body))
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
