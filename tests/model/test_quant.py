@@ -362,6 +362,12 @@ def test_auto_reasons_where_the_cpu_kernels_cannot_run():
     )
 
 
+def test_auto_keeps_a_dtype_asked_for_by_name(loaded_fp32):
+    """`--dtype float32` asks for the float path: auto keeps it, and says so."""
+    assert loaded_fp32.model.quantization == "none"
+    assert loaded_fp32.quantization_reason == "auto: --dtype float32 asked for, kept"
+
+
 def test_unknown_quantization_is_refused():
     from kvserve.config import DeviceConfig
 
