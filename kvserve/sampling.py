@@ -82,7 +82,9 @@ class SamplingParams:
     `SamplingParamsError` at once; values are range-checked by `validate`.
     """
 
-    max_tokens: int | None = None  # None = the rest of the context (the engine resolves it)
+    # vLLM's (and OpenAI completions') default; None = the rest of the context (the engine
+    # resolves it; the chat endpoint passes None when a request names no limit).
+    max_tokens: int | None = 16
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
@@ -97,6 +99,9 @@ class SamplingParams:
     logit_bias: LogitBias = ()
     logprobs: int | None = None  # None = off; else the number of top alternatives (0..20)
     n: int = 1
+    # None = off; else each prompt token's log-probability and this many top alternatives
+    # (0..20), from the model's raw distribution (vLLM's `prompt_logprobs`).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -152,6 +157,13 @@ class SamplingParams:
             )
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise SamplingParamsError(f"n must be an integer between 1 and {MAX_N}", "n")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise SamplingParamsError(
+                f"prompt_logprobs must be an integer between 0 and {MAX_LOGPROBS}",
+                "prompt_logprobs",
+            )
 
     def _validate_stop(self, vocab_size: int | None) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -98,6 +98,9 @@ class RequestState:
     stop_token_ids: frozenset[int]
     all_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
+    # One entry per prompt token scored so far (None for the first), when the request asked
+    # for prompt logprobs; handed out with the first generated token.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     status: str = "queued"  # queued | running | finished
     finish_reason: str | None = None
     cancel_reason: str | None = None  # set while running; applied at the next step boundary
@@ -267,6 +270,7 @@ class Engine:
             ),
             stop_token_ids=frozenset(stop_ids),
             all_token_ids=list(prompt),
+            prompt_logprobs=[None] if request.needs_prompt_logprobs else None,
         )
         outcome = admit_or_enqueue(
             self.scheduler, self.queue, request_id, len(prompt), reserve, time.monotonic()
@@ -421,6 +425,10 @@ class Engine:
     def _deliver(self, plan: StepPlan, output: StepOutput) -> None:
         """Append each sampled token, decide whether its request is done, hand out deltas."""
         now = time.monotonic()
+        for request_id, scored in output.prompt_logprobs.items():
+            state = self._requests.get(request_id)
+            if state is not None and state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(scored)
         for chunk in plan.chunks:
             sampled = output.sampled.get(chunk.request_id)
             state = self._requests.get(chunk.request_id)
@@ -440,6 +448,9 @@ class Engine:
                 logprobs = (
                     TokenLogprob(token, sampled.logprob, tuple(sampled.top_logprobs or ())),
                 )
+            prompt_logprobs = None
+            if state.prompt_logprobs is not None and state.num_output_tokens == 1:
+                prompt_logprobs = tuple(state.prompt_logprobs)
 
             detok = state.detokenizer
             reason = None
@@ -454,9 +465,22 @@ class Engine:
                     reason = "length"
                     text += detok.flush()
             if reason is not None:
-                self._release(state, reason, text=text, token_ids=(token,), logprobs=logprobs)
+                self._release(
+                    state,
+                    reason,
+                    text=text,
+                    token_ids=(token,),
+                    logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
+                )
             elif not state.stream.offer(
-                Delta(text=text, token_ids=(token,), logprobs=logprobs, timestamp=now)
+                Delta(
+                    text=text,
+                    token_ids=(token,),
+                    logprobs=logprobs,
+                    timestamp=now,
+                    prompt_logprobs=prompt_logprobs,
+                )
             ):
                 log.info(
                     "%s: client fell %d steps behind; dropping it",
@@ -487,6 +511,7 @@ class Engine:
         text: str = "",
         token_ids: tuple[int, ...] = (),
         logprobs: tuple[TokenLogprob, ...] = (),
+        prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None,
         error: EngineError | None = None,
         queued: bool = True,
     ) -> None:
@@ -511,6 +536,7 @@ class Engine:
                 usage=Usage(state.num_prompt_tokens, state.num_output_tokens),
                 error=error,
                 timestamp=state.finished_at,
+                prompt_logprobs=prompt_logprobs,
             )
         )
         self.observer.on_finished(state)
