@@ -4,7 +4,8 @@ Requests are parsed from the raw body with pydantic in strict mode (a string is 
 a float is not an integer), every model allowing extra fields. Extras are then sorted:
 
 - fields that would change the answer and are not supported (`tools`, `response_format` other
-  than text, `echo`, `suffix`, `best_of > 1`, guided decoding, ...) are refused by name (400);
+  than text, `suffix`, `best_of > 1`, guided decoding, `echo` on chat, ...) are refused by name
+  (400);
 - every other extra is accepted, has no effect, and is reported back in the
   `X-KVServe-Ignored-Fields` header and counted.
 

@@ -83,10 +83,21 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    """`POST /v1/completions`. `prompt` is text, token ids, or a list holding one of those."""
+    """`POST /v1/completions`. `prompt` is text, token ids, or a list holding one of those.
+
+    Text is a raw prompt: the client templated it, so control-token spellings in it are control
+    tokens. `echo` puts the prompt (its tokens and, with `logprobs`, their log-probabilities)
+    before the answer; with `max_tokens: 0` it scores the prompt without generating.
+    """
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+    echo: bool | None = None
+
+    @property
+    def scores_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt is scored, nothing is generated."""
+        return bool(self.echo) and self.max_tokens == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,6 +114,7 @@ def sampling_params(
     """The request's SamplingParams, validated; APIError(400) names the request's own field."""
     if _or(request.n, 1) != 1:
         raise APIError(400, "'n': only n=1 is supported", param="n")
+    prompt_logprobs = None
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
@@ -113,6 +125,11 @@ def sampling_params(
     else:
         max_tokens = _or(request.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
         logprobs = request.logprobs
+        if request.scores_only:
+            # The engine samples after the prompt whatever happens; that one token is dropped.
+            max_tokens = 1
+        if request.echo and logprobs is not None:
+            prompt_logprobs = logprobs
     if request.stream_options is not None and not request.stream:
         raise APIError(
             400, "'stream_options' is only allowed when 'stream' is true", param="stream_options"
@@ -133,6 +150,7 @@ def sampling_params(
             repetition_penalty=_or(request.repetition_penalty, 1.0),
             logit_bias=_or(request.logit_bias, ()),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         params.validate(vocab_size)
     except SamplingParamsError as exc:
@@ -148,7 +166,7 @@ def request_param(request: ChatCompletionRequest | CompletionRequest, param: str
             return "max_completion_tokens"
         if param == "prompt":
             return "messages"
-    elif param == "top_logprobs":
+    elif param in ("top_logprobs", "prompt_logprobs"):
         return "logprobs"
     return param
 
@@ -200,23 +218,29 @@ def chat_logprobs(
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes], text_offset: int
+    entries: Sequence[TokenLogprob | int], token_bytes: Callable[[int], bytes], text_offset: int
 ) -> tuple[dict[str, Any], int]:
     """Legacy completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) for
-    these tokens, and the text offset after them."""
+    these tokens, and the text offset after them. A bare token id (an echoed prompt's first
+    token, which nothing precedes) has null for its logprob and alternatives, as in vLLM."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for entry in entries:
-        text = token_bytes(entry.token_id).decode("utf-8", "replace")
+        token_id = entry if isinstance(entry, int) else entry.token_id
+        text = token_bytes(token_id).decode("utf-8", "replace")
         tokens.append(text)
-        token_logprobs.append(_finite(entry.logprob))
-        alternatives: dict[str, float] = {}
-        for token_id, logprob in entry.top:
-            alternatives.setdefault(
-                token_bytes(token_id).decode("utf-8", "replace"), _finite(logprob)
-            )
-        top.append(alternatives)
         offsets.append(text_offset)
         text_offset += len(text)
+        if isinstance(entry, int):
+            token_logprobs.append(None)
+            top.append(None)
+            continue
+        token_logprobs.append(_finite(entry.logprob))
+        alternatives: dict[str, float] = {}
+        for alt_id, logprob in entry.top:
+            alternatives.setdefault(
+                token_bytes(alt_id).decode("utf-8", "replace"), _finite(logprob)
+            )
+        top.append(alternatives)
     return (
         {
             "tokens": tokens,
@@ -287,6 +311,9 @@ class _Renderer:
         """The one choice of a delta chunk (`logprobs` empty when none are to be sent)."""
         raise NotImplementedError
 
+    def prompt_scored(self, entries: Sequence[TokenLogprob | None]) -> None:
+        """The prompt's log-probabilities arrived (one entry per prompt token, None first)."""
+
     def add(self, text: str, logprobs: Sequence[TokenLogprob]) -> None:
         """Accumulate a delta for the non-streaming response."""
         if text:
@@ -311,11 +338,17 @@ class OpenAIStream:
     def head(self) -> str:
         return "".join(event(chunk) for chunk in self.renderer.start_chunks())
 
+    def _scored(self, delta: Delta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.renderer.prompt_scored(delta.prompt_logprobs)
+
     def frames(self, delta: Delta) -> str:
+        self._scored(delta)
         chunk = self.renderer.delta_chunk(delta.text, delta.logprobs, None)
         return "" if chunk is None else event(chunk)
 
     def tail(self, final: Delta) -> str:
+        self._scored(final)
         chunk = self.renderer.delta_chunk(final.text, final.logprobs, final.finish_reason)
         parts = [event(chunk)] if chunk is not None else []
         if self.include_usage and final.usage is not None:
@@ -326,6 +359,7 @@ class OpenAIStream:
         return event(dumps(error.body())) + DONE.decode()
 
     def add(self, delta: Delta) -> None:
+        self._scored(delta)
         self.renderer.add(delta.text, delta.logprobs)
 
     def response(self, final: Delta) -> dict[str, Any]:

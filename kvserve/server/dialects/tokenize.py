@@ -44,7 +44,10 @@ def register(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.prompt is not None:
             text, add_bos = body.prompt, tokenizer.add_bos and body.add_special_tokens
-            token_ids = await in_thread(lambda: tokenizer.encode(text, add_bos=add_bos))
+            # The ids /v1/completions would use for this prompt: control tokens parsed.
+            token_ids = await in_thread(
+                lambda: tokenizer.encode(text, add_bos=add_bos, parse_special=True)
+            )
         else:
             messages = [message.model_dump(exclude_none=True) for message in body.messages or ()]
             generation_prompt = body.add_generation_prompt
