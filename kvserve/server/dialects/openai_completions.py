@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from kvserve.engine.stream import TokenLogprob, Usage
+from kvserve.server import schemas
 from kvserve.server.core import ServerState, in_thread
 from kvserve.server.dialects.openai import (
     CompletionRequest,
@@ -25,6 +26,8 @@ from kvserve.server.protocol import APIError
 __all__ = ["PATHS", "CompletionRenderer", "register"]
 
 PATHS = ("/v1/completions",)
+BODIES = {("post", "/v1/completions"): CompletionRequest}
+"""Each route's JSON body, for the API's description."""
 
 
 class CompletionRenderer(_Renderer):
@@ -124,7 +127,13 @@ class CompletionRenderer(_Renderer):
 def register(app: FastAPI, state: ServerState) -> None:
     """Add the route."""
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        responses={
+            200: schemas.stream_response(schemas.Completion, schemas.CompletionChunk),
+            **schemas.error_responses(400, 401, 404, 413, 429, 503),
+        },
+    )
     async def completions(request: Request) -> Response:
         exchange, engine, body = await state.accept(request, CompletionRequest)
         params = sampling_params(body, engine.model_config.vocab_size)
