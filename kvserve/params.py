@@ -146,7 +146,9 @@ class SamplingParams:
     `SamplingParamsError` at once; values are range-checked by `validate`.
     """
 
-    max_tokens: int | None = None  # None = the rest of the context (the engine resolves it)
+    # vLLM's (and OpenAI completions') default; None = the rest of the context (the engine
+    # resolves it; the chat endpoint passes None when a request names no limit).
+    max_tokens: int | None = 16
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
@@ -161,6 +163,9 @@ class SamplingParams:
     logit_bias: LogitBias = ()
     logprobs: int | None = None  # None = off; else the number of top alternatives (0..20)
     n: int = 1
+    # None = off; else each prompt token's log-probability and this many top alternatives
+    # (0..20), from the model's raw distribution (vLLM's `prompt_logprobs`).
+    prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None  # None = free text
 
     def __post_init__(self) -> None:
@@ -217,6 +222,13 @@ class SamplingParams:
             )
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise SamplingParamsError(f"n must be an integer between 1 and {MAX_N}", "n")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise SamplingParamsError(
+                f"prompt_logprobs must be an integer between 0 and {MAX_LOGPROBS}",
+                "prompt_logprobs",
+            )
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise SamplingParamsError(

@@ -24,6 +24,12 @@ class GenerationRequest:
     request_id: str = field(default_factory=new_request_id)
     arrival_time: float = field(default_factory=time.monotonic)
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether every prompt row must be computed for its logits (prompt log-probabilities
+        were asked for): such a prompt's KV may not be taken from a cache in place of them."""
+        return self.params.prompt_logprobs is not None
+
 
 class EngineError(Exception):
     """Base of every error the engine reports about a request."""

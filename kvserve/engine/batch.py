@@ -2,19 +2,23 @@
 
 It never decides who runs; the Scheduler did. Given the plan and each request's tokens so far,
 it builds the flat inputs (token ids, positions, slots, block tables), runs the model, and
-samples one token for every chunk whose last row needs logits.
+samples one token for every chunk whose last row needs logits. A prefill chunk of a request that
+asked for prompt logprobs has logits computed for every row, and each prompt token they predict
+is scored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from kvserve.core.plan import StepPlan
+from kvserve.engine.prompt_logprobs import score_rows
 from kvserve.engine.sampler import RowState, Sampler
+from kvserve.engine.stream import TokenLogprob
 from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.llama import LlamaModel
@@ -40,6 +44,19 @@ class Sampled:
 class StepOutput:
     sampled: dict[str, Sampled]  # request_id -> the token its sampling chunk produced
     num_rows: int
+    # request_id -> the prompt tokens this step's rows predicted (positions chunk.start + 1
+    # onwards, in order), for requests that asked for prompt logprobs
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Scoring:
+    """Which logits rows score which prompt tokens, in a step with prompt-logprob chunks."""
+
+    logits_rows: list[int]  # flat batch rows whose logits the model returns
+    sample_rows: list[int]  # positions in those logits of the sampling chunks' rows
+    # (request_id, position in the logits of its first row, the tokens predicted, top count)
+    chunks: list[tuple[str, int, Sequence[int], int]]
 
 
 class Batch:
@@ -75,7 +92,20 @@ class Batch:
             return StepOutput({}, 0)
         token_ids, sampling_ids, rows = self.inputs(plan, sequences)
         meta = build_metadata(plan.chunks, self.block_size, self.device, native=self.model.native)
+        scoring = _scoring(plan, sequences)
+        if scoring is not None:
+            meta.logits_indices = torch.tensor(
+                scoring.logits_rows, dtype=torch.long, device=self.device
+            )
         logits = self.model.forward(token_ids, meta, self.kv_cache)
+        prompt_logprobs: dict[str, list[TokenLogprob]] = {}
+        if scoring is not None:
+            for request_id, first, targets, num_top in scoring.chunks:
+                scored = logits[first : first + len(targets)]
+                prompt_logprobs[request_id] = score_rows(scored, targets, num_top)
+            logits = logits[
+                torch.tensor(scoring.sample_rows, dtype=torch.long, device=logits.device)
+            ]
         result = self.sampler.sample(logits, rows)
         sampled = {
             request_id: Sampled(token, logprob, top)
@@ -83,4 +113,35 @@ class Batch:
                 sampling_ids, result.token_ids, result.logprobs, result.top_logprobs, strict=True
             )
         }
-        return StepOutput(sampled, plan.num_rows)
+        return StepOutput(sampled, plan.num_rows, prompt_logprobs)
+
+
+def _scoring(plan: StepPlan, sequences: Mapping[str, SequenceTokens]) -> _Scoring | None:
+    """The logits rows of a step where some prefill chunk wants its prompt scored; None (only
+    the sampling rows, the usual case) when none does."""
+    wanted = [
+        chunk.is_prefill
+        and sequences[chunk.request_id].row_state().params.prompt_logprobs is not None
+        for chunk in plan.chunks
+    ]
+    if not any(wanted):
+        return None
+    scoring = _Scoring([], [], [])
+    row = 0
+    for chunk, scores in zip(plan.chunks, wanted, strict=True):
+        last = row + chunk.num_tokens - 1
+        if scores:
+            seq = sequences[chunk.request_id]
+            # Row p predicts position p + 1; during prefill the tokens are the prompt, so the
+            # last prompt row predicts nothing yet (its logits are the first sample's).
+            targets = seq.all_token_ids[chunk.start + 1 : chunk.end + 1]
+            num_top = seq.row_state().params.prompt_logprobs
+            scoring.chunks.append((chunk.request_id, len(scoring.logits_rows), targets, num_top))
+            scoring.logits_rows.extend(range(row, last + 1))
+            if chunk.samples:
+                scoring.sample_rows.append(len(scoring.logits_rows) - 1)
+        elif chunk.samples:
+            scoring.logits_rows.append(last)
+            scoring.sample_rows.append(len(scoring.logits_rows) - 1)
+        row = last + 1
+    return scoring

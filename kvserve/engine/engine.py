@@ -105,6 +105,9 @@ class RequestState:
     stop_token_ids: frozenset[int]
     all_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
+    # One entry per prompt token scored so far (None for the first), when the request asked
+    # for prompt logprobs; handed out with the first generated token.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     status: str = "queued"  # compiling | queued | running | finished
     reserve: int = 0  # KV positions reserved at admission beyond the prompt
     grammar: GrammarState | None = None  # structured output; dropped on release
@@ -281,6 +284,7 @@ class Engine:
             stop_token_ids=frozenset(stop_ids),
             all_token_ids=list(prompt),
             reserve=reserve,
+            prompt_logprobs=[None] if request.needs_prompt_logprobs else None,
         )
         if params.structured is not None:
             compiled = self.structured.compile(params.structured)
@@ -492,6 +496,10 @@ class Engine:
     def _deliver(self, plan: StepPlan, output: StepOutput) -> None:
         """Append each sampled token, decide whether its request is done, hand out deltas."""
         now = time.monotonic()
+        for request_id, scored in output.prompt_logprobs.items():
+            state = self._requests.get(request_id)
+            if state is not None and state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(scored)
         for chunk in plan.chunks:
             sampled = output.sampled.get(chunk.request_id)
             state = self._requests.get(chunk.request_id)
@@ -516,6 +524,9 @@ class Engine:
                 logprobs = (
                     TokenLogprob(token, sampled.logprob, tuple(sampled.top_logprobs or ())),
                 )
+            prompt_logprobs = None
+            if state.prompt_logprobs is not None and state.num_output_tokens == 1:
+                prompt_logprobs = tuple(state.prompt_logprobs)
 
             detok = state.detokenizer
             reason = None
@@ -535,9 +546,22 @@ class Engine:
                     reason = "length"
                     text += detok.flush()
             if reason is not None:
-                self._release(state, reason, text=text, token_ids=(token,), logprobs=logprobs)
+                self._release(
+                    state,
+                    reason,
+                    text=text,
+                    token_ids=(token,),
+                    logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
+                )
             elif not state.stream.offer(
-                Delta(text=text, token_ids=(token,), logprobs=logprobs, timestamp=now)
+                Delta(
+                    text=text,
+                    token_ids=(token,),
+                    logprobs=logprobs,
+                    timestamp=now,
+                    prompt_logprobs=prompt_logprobs,
+                )
             ):
                 log.info(
                     "%s: client fell %d steps behind; dropping it",
@@ -568,6 +592,7 @@ class Engine:
         text: str = "",
         token_ids: tuple[int, ...] = (),
         logprobs: tuple[TokenLogprob, ...] = (),
+        prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None,
         error: EngineError | None = None,
         queued: bool = True,
     ) -> None:
@@ -593,6 +618,7 @@ class Engine:
                 usage=Usage(state.num_prompt_tokens, state.num_output_tokens),
                 error=error,
                 timestamp=state.finished_at,
+                prompt_logprobs=prompt_logprobs,
             )
         )
         self.observer.on_finished(state)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+import string
 import time
+import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -22,10 +24,20 @@ __all__ = ["OPEN_PATHS", "Gatekeeper"]
 log = logging.getLogger("kvserve.server")
 access_log = logging.getLogger("kvserve.access")
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
-"""Probes and scrapes stay open when --api-key is set."""
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/docs"})
+"""Probes, scrapes and the API's description stay open when --api-key is set."""
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def _header_safe(name: str) -> str:
+    """A client's field name as header text: anything but visible ASCII (control characters,
+    which would make the header illegal, and non-ASCII) is percent-encoded, as are `%` and the
+    `,` that separates names."""
+    return urllib.parse.quote(name, safe=_HEADER_SAFE)
+
+
+_HEADER_SAFE = "".join(c for c in string.punctuation if c not in ",%")
 
 
 class Gatekeeper:
@@ -69,7 +81,7 @@ class Gatekeeper:
                     (b"x-request-id", exchange.request_id.encode()),
                 ]
                 if exchange.ignored_fields:
-                    ignored = ",".join(exchange.ignored_fields).encode("latin-1", "replace")
+                    ignored = ",".join(map(_header_safe, exchange.ignored_fields)).encode()
                     headers.append((b"x-kvserve-ignored-fields", ignored))
                 message = {**message, "headers": headers}
             await send(message)

@@ -3,8 +3,8 @@
 Requests are parsed from the raw body with pydantic in strict mode (a string is not a number,
 a float is not an integer), every model allowing extra fields. Extras are then sorted:
 
-- fields that would change the answer and are not supported (`functions`, `echo`, `suffix`,
-  `best_of > 1`, the older `guided_*` fields, ...) are refused by name (400);
+- fields that would change the answer and are not supported (`functions`, `suffix`,
+  `best_of > 1`, the older `guided_*` fields, `echo` on chat, ...) are refused by name (400);
 - every other extra is accepted, has no effect, and is reported back in the
   `X-KVServe-Ignored-Fields` header and counted.
 

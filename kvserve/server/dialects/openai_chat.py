@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from kvserve.engine.stream import TokenLogprob, Usage
+from kvserve.server import schemas
 from kvserve.server.core import ServerState, in_thread
 from kvserve.server.dialects.openai import (
     ChatCompletionRequest,
@@ -36,6 +37,8 @@ from kvserve.tokenizer import ChatTemplateError
 __all__ = ["PATHS", "ChatRenderer", "ToolChatRenderer", "register"]
 
 PATHS = ("/v1/chat/completions",)
+BODIES = {("post", "/v1/chat/completions"): ChatCompletionRequest}
+"""Each route's JSON body, for the API's description."""
 
 
 class ChatRenderer(_Renderer):
@@ -205,7 +208,13 @@ class ToolChatRenderer(ChatRenderer):
 def register(app: FastAPI, state: ServerState) -> None:
     """Add the route."""
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        responses={
+            200: schemas.stream_response(schemas.ChatCompletion, schemas.ChatCompletionChunk),
+            **schemas.error_responses(400, 401, 404, 413, 429, 503),
+        },
+    )
     async def chat_completions(request: Request) -> Response:
         exchange, engine, body = await state.accept(request, ChatCompletionRequest)
         if not body.messages:
