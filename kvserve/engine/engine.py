@@ -454,7 +454,14 @@ class Engine:
                     reason = "length"
                     text += detok.flush()
             if reason is not None:
-                self._release(state, reason, text=text, token_ids=(token,), logprobs=logprobs)
+                self._release(
+                    state,
+                    reason,
+                    text=text,
+                    token_ids=(token,),
+                    logprobs=logprobs,
+                    stop_sequence=detok.stop_reason,
+                )
             elif not state.stream.offer(
                 Delta(text=text, token_ids=(token,), logprobs=logprobs, timestamp=now)
             ):
@@ -489,6 +496,7 @@ class Engine:
         logprobs: tuple[TokenLogprob, ...] = (),
         error: EngineError | None = None,
         queued: bool = True,
+        stop_sequence: str | None = None,
     ) -> None:
         """End a request however it ends: slot and blocks back (or out of the queue), stream
         finished with the reason and usage, observers told. Idempotent."""
@@ -511,6 +519,7 @@ class Engine:
                 usage=Usage(state.num_prompt_tokens, state.num_output_tokens),
                 error=error,
                 timestamp=state.finished_at,
+                stop_sequence=stop_sequence,
             )
         )
         self.observer.on_finished(state)

@@ -49,6 +49,7 @@ class Delta:
     usage: Usage | None = None
     error: EngineError | None = None
     timestamp: float = 0.0
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
 
     @property
     def finished(self) -> bool:
