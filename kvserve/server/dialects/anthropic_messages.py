@@ -89,7 +89,7 @@ class AnthropicTool(_Model):
 class CountTokensRequest(_Model):
     """`POST /v1/messages/count_tokens`: the prompt part of a Messages request."""
 
-    model: str
+    model: str | None = None  # required by Anthropic; optional here as on the OpenAI routes
     messages: list[AnthropicMessage]
     system: str | list[dict[str, Any]] | None = None
     tools: list[AnthropicTool] | None = None
@@ -106,6 +106,8 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     metadata: dict[str, Any] | None = None
     stream: bool | None = None
+    # vLLM's extension, as on the OpenAI routes: generate all max tokens, past the stop token.
+    ignore_eos: bool | None = None
 
 
 def _refused(extras: Mapping[str, Any]) -> tuple[list[str], APIError | None]:
@@ -266,6 +268,7 @@ def sampling_params(body: MessagesRequest, vocab_size: int) -> SamplingParams:
             max_tokens=body.max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
+            ignore_eos=bool(body.ignore_eos),
             top_k=0 if body.top_k is None else body.top_k,
             stop=tuple(body.stop_sequences or ()),
         )

@@ -67,6 +67,8 @@ class ResponsesRequest(_Model):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
+    # vLLM's extension, as on the OpenAI routes: generate all max tokens, past the stop token.
+    ignore_eos: bool | None = None
 
 
 def _refused(extras: Mapping[str, Any]) -> tuple[list[str], APIError | None]:
@@ -183,6 +185,7 @@ def sampling_params(body: ResponsesRequest, vocab_size: int) -> SamplingParams:
             max_tokens=body.max_output_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
+            ignore_eos=bool(body.ignore_eos),
         )
         params.validate(vocab_size)
     except SamplingParamsError as exc:
