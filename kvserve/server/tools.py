@@ -23,14 +23,18 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvserve.sampling import SamplingParams
+from kvserve.server.core import in_thread
 from kvserve.server.protocol import APIError
+from kvserve.tokenizer import ChatTemplateError, Tokenizer
 
 __all__ = [
     "FunctionTool",
     "ToolCall",
     "ToolCallParser",
     "ToolChoice",
+    "encode_conversation",
     "new_call_id",
+    "output_pieces",
     "require_schema",
     "tool_call_schema",
 ]
@@ -206,3 +210,33 @@ def parse_arguments(arguments: str) -> Any:
         return json.loads(arguments)
     except ValueError:
         return {}
+
+
+def output_pieces(parser: ToolCallParser | None, text: str, *, final: bool) -> list[Piece]:
+    """A delta's text as pieces: as it is without tools, else through the parser (flushed on
+    the final delta)."""
+    if parser is None:
+        return [text] if text else []
+    pieces = parser.feed(text)
+    if final:
+        pieces += parser.flush()
+    return pieces
+
+
+async def encode_conversation(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    tools: Sequence[FunctionTool],
+    choice: ToolChoice,
+    *,
+    param: str,
+) -> list[int]:
+    """The conversation's prompt ids, the tools in the template's `tools` variable unless the
+    choice is `none`; a template error is a 400 naming `param`."""
+    template_kwargs: dict[str, Any] = {}
+    if tools and choice.mode != "none":
+        template_kwargs["tools"] = [tool.template_dict() for tool in tools]
+    try:
+        return await in_thread(lambda: tokenizer.encode_chat(messages, **template_kwargs))
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param=param) from None

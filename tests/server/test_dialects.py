@@ -75,17 +75,24 @@ def _sse_data(frames: str) -> list[dict]:
     return events
 
 
-def _anthropic(rendering_factory, deltas) -> tuple[dict, object]:
+def _play(rendering_factory, deltas) -> tuple[dict, list[dict]]:
+    """The same deltas through one rendering whole and another streamed: (the response, the
+    streamed events)."""
     whole = rendering_factory()
     for delta in deltas:
         whole.add(delta)
     streamed = rendering_factory()
     frames = streamed.head() + "".join(streamed.frames(d) for d in deltas[:-1])
     frames += streamed.tail(deltas[-1])
+    return whole.response(deltas[-1]), _sse_data(frames)
+
+
+def _anthropic(rendering_factory, deltas) -> tuple[dict, object]:
+    whole, events = _play(rendering_factory, deltas)
     snapshot, buffers = None, {}
-    for event in _sse_data(frames):
+    for event in events:
         snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=buffers)
-    return whole.response(deltas[-1]), snapshot
+    return whole, snapshot
 
 
 def test_messages_tool_use_streamed_and_whole_agree():
@@ -124,18 +131,12 @@ def _responses(deltas, *, tools: bool):
     def factory() -> ResponsesRendering:
         return ResponsesRendering("resp_1", "m", {"tools": []}, tools=tools)
 
-    whole = factory()
-    for delta in deltas:
-        whole.add(delta)
-    streamed = factory()
-    frames = streamed.head() + "".join(streamed.frames(d) for d in deltas[:-1])
-    frames += streamed.tail(deltas[-1])
-    events = _sse_data(frames)
+    whole, events = _play(factory, deltas)
     assert [event["sequence_number"] for event in events] == list(range(len(events)))
     state = ResponseStreamState(input_tools=omit, text_format=omit)
     for event in events:
         state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=event))
-    return whole.response(deltas[-1]), state._completed_response, [e["type"] for e in events]
+    return whole, state._completed_response, [e["type"] for e in events]
 
 
 def test_responses_function_call_streamed_and_whole_agree():

@@ -20,8 +20,9 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from kvserve.engine.stream import Delta
-from kvserve.sampling import SamplingParams, SamplingParamsError
-from kvserve.server.core import ServerState, in_thread, json_response
+from kvserve.sampling import SamplingParams
+from kvserve.server.core import ServerState, json_response
+from kvserve.server.core import sampling_params as core_sampling_params
 from kvserve.server.protocol import APIError, _Model, dumps
 from kvserve.server.tools import (
     FunctionTool,
@@ -29,11 +30,12 @@ from kvserve.server.tools import (
     ToolCall,
     ToolCallParser,
     ToolChoice,
+    encode_conversation,
+    output_pieces,
     parse_arguments,
     require_schema,
     tool_call_schema,
 )
-from kvserve.tokenizer import ChatTemplateError
 
 __all__ = [
     "PATHS",
@@ -246,37 +248,28 @@ def tool_setup(body: CountTokensRequest) -> tuple[list[FunctionTool], ToolChoice
 
 
 async def _prompt_ids(
-    state: ServerState, engine: Any, body: CountTokensRequest
+    engine: Any, body: CountTokensRequest
 ) -> tuple[list[int], list[FunctionTool], ToolChoice]:
     tools, choice = tool_setup(body)
     messages = conversation(body)
-    template_kwargs: dict[str, Any] = {}
-    if tools and choice.mode != "none":
-        template_kwargs["tools"] = [tool.template_dict() for tool in tools]
-    tokenizer = engine.tokenizer
-    try:
-        prompt_ids = await in_thread(lambda: tokenizer.encode_chat(messages, **template_kwargs))
-    except ChatTemplateError as exc:
-        raise APIError(400, str(exc), param="messages") from None
+    prompt_ids = await encode_conversation(
+        engine.tokenizer, messages, tools, choice, param="messages"
+    )
     return prompt_ids, tools, choice
 
 
 def sampling_params(body: MessagesRequest, vocab_size: int) -> SamplingParams:
     """The request's SamplingParams, validated; errors name the Messages field."""
-    try:
-        params = SamplingParams(
-            max_tokens=body.max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            ignore_eos=bool(body.ignore_eos),
-            top_k=0 if body.top_k is None else body.top_k,
-            stop=tuple(body.stop_sequences or ()),
-        )
-        params.validate(vocab_size)
-    except SamplingParamsError as exc:
-        param = _PARAM_NAMES.get(exc.param, exc.param)
-        raise APIError(400, exc.message.replace(exc.param, param, 1), param=param) from None
-    return params
+    return core_sampling_params(
+        vocab_size,
+        _PARAM_NAMES,
+        max_tokens=body.max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        stop=tuple(body.stop_sequences or ()),
+        ignore_eos=bool(body.ignore_eos),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -307,14 +300,6 @@ class MessagesRendering:
         self._open_text = False  # the last block is a text block still taking deltas
         self._called = False
 
-    def _pieces(self, text: str, final: bool) -> list[Piece]:
-        if self._parser is None:
-            return [text] if text else []
-        pieces = self._parser.feed(text)
-        if final:
-            pieces += self._parser.flush()
-        return pieces
-
     # -- streaming -----------------------------------------------------------------------------
 
     def head(self) -> str:
@@ -331,7 +316,10 @@ class MessagesRendering:
         return _frame("message_start", {"type": "message_start", "message": message})
 
     def frames(self, delta: Delta) -> str:
-        return "".join(self._piece_frames(piece) for piece in self._pieces(delta.text, False))
+        return "".join(
+            self._piece_frames(piece)
+            for piece in output_pieces(self._parser, delta.text, final=False)
+        )
 
     def _piece_frames(self, piece: Piece) -> str:
         out = []
@@ -387,7 +375,10 @@ class MessagesRendering:
         return _frame("content_block_stop", {"type": "content_block_stop", "index": index})
 
     def tail(self, final: Delta) -> str:
-        parts = [self._piece_frames(piece) for piece in self._pieces(final.text, True)]
+        parts = [
+            self._piece_frames(piece)
+            for piece in output_pieces(self._parser, final.text, final=True)
+        ]
         parts.append(self._close_text())
         assert final.usage is not None
         delta = {
@@ -429,7 +420,7 @@ class MessagesRendering:
             self._blocks.append({"type": "text", "text": piece})
 
     def add(self, delta: Delta) -> None:
-        for piece in self._pieces(delta.text, delta.finished):
+        for piece in output_pieces(self._parser, delta.text, final=delta.finished):
             self._add_piece(piece)
 
     def response(self, final: Delta) -> dict[str, Any]:
@@ -465,7 +456,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "'messages' must hold at least one message", param="messages")
         # Validate before tokenizing: a bad parameter costs no template rendering.
         params = sampling_params(body, engine.model_config.vocab_size)
-        prompt_ids, tools, choice = await _prompt_ids(state, engine, body)
+        prompt_ids, tools, choice = await _prompt_ids(engine, body)
         if choice.forced:
             require_schema(params, tool_call_schema(tools, choice), param="tool_choice")
         rendering = MessagesRendering(
@@ -487,5 +478,5 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         _, engine, body = await state.accept(request, CountTokensRequest, _refused)
-        prompt_ids, _, _ = await _prompt_ids(state, engine, body)
+        prompt_ids, _, _ = await _prompt_ids(engine, body)
         return json_response({"input_tokens": len(prompt_ids)})

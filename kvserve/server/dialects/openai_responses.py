@@ -27,8 +27,9 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from kvserve.engine.stream import Delta, Usage
-from kvserve.sampling import SamplingParams, SamplingParamsError
-from kvserve.server.core import ServerState, in_thread
+from kvserve.sampling import SamplingParams
+from kvserve.server.core import ServerState
+from kvserve.server.core import sampling_params as core_sampling_params
 from kvserve.server.protocol import APIError, _Model, dumps
 from kvserve.server.tools import (
     FunctionTool,
@@ -36,10 +37,11 @@ from kvserve.server.tools import (
     ToolCall,
     ToolCallParser,
     ToolChoice,
+    encode_conversation,
+    output_pieces,
     require_schema,
     tool_call_schema,
 )
-from kvserve.tokenizer import ChatTemplateError
 
 __all__ = ["PATHS", "ResponsesRendering", "ResponsesRequest", "register"]
 
@@ -180,18 +182,15 @@ def tool_setup(body: ResponsesRequest) -> tuple[list[FunctionTool], ToolChoice]:
 
 
 def sampling_params(body: ResponsesRequest, vocab_size: int) -> SamplingParams:
-    try:
-        params = SamplingParams(
-            max_tokens=body.max_output_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            ignore_eos=bool(body.ignore_eos),
-        )
-        params.validate(vocab_size)
-    except SamplingParamsError as exc:
-        param = _PARAM_NAMES.get(exc.param, exc.param)
-        raise APIError(400, exc.message.replace(exc.param, param, 1), param=param) from None
-    return params
+    """The request's SamplingParams, validated; errors name the Responses field."""
+    return core_sampling_params(
+        vocab_size,
+        _PARAM_NAMES,
+        max_tokens=body.max_output_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        ignore_eos=bool(body.ignore_eos),
+    )
 
 
 def _text_format(body: ResponsesRequest, params: SamplingParams) -> dict[str, Any]:
@@ -249,14 +248,6 @@ class ResponsesRendering:
         self._items: list[dict[str, Any]] = []
         self._open_message = False
         self._sequence = 0
-
-    def _pieces(self, text: str, final: bool) -> list[Piece]:
-        if self._parser is None:
-            return [text] if text else []
-        pieces = self._parser.feed(text)
-        if final:
-            pieces += self._parser.flush()
-        return pieces
 
     def _response(
         self,
@@ -382,7 +373,10 @@ class ResponsesRendering:
         )
 
     def _finish(self, final: Delta, stream: bool) -> str:
-        out = [self._add(piece, stream) for piece in self._pieces(final.text, True)]
+        out = [
+            self._add(piece, stream)
+            for piece in output_pieces(self._parser, final.text, final=True)
+        ]
         if not self._items:
             out.append(self._open(stream))  # an empty answer is still a message
         out.append(self._close_message(stream))
@@ -397,7 +391,9 @@ class ResponsesRendering:
         )
 
     def frames(self, delta: Delta) -> str:
-        return "".join(self._add(piece, True) for piece in self._pieces(delta.text, False))
+        return "".join(
+            self._add(piece, True) for piece in output_pieces(self._parser, delta.text, final=False)
+        )
 
     def tail(self, final: Delta) -> str:
         out = self._finish(final, True)
@@ -415,7 +411,7 @@ class ResponsesRendering:
         if delta.finished:
             self._finish(delta, False)
             return
-        for piece in self._pieces(delta.text, False):
+        for piece in output_pieces(self._parser, delta.text, final=False):
             self._add(piece, False)
 
     def response(self, final: Delta) -> dict[str, Any]:
@@ -450,14 +446,9 @@ def register(app: FastAPI, state: ServerState) -> None:
         messages = conversation(body)
         if not messages:
             raise APIError(400, "'input' must hold at least one item", param="input")
-        template_kwargs: dict[str, Any] = {}
-        if tools and choice.mode != "none":
-            template_kwargs["tools"] = [tool.template_dict() for tool in tools]
-        tokenizer = engine.tokenizer
-        try:
-            prompt_ids = await in_thread(lambda: tokenizer.encode_chat(messages, **template_kwargs))
-        except ChatTemplateError as exc:
-            raise APIError(400, str(exc), param="input") from None
+        prompt_ids = await encode_conversation(
+            engine.tokenizer, messages, tools, choice, param="input"
+        )
         settings = {
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
