@@ -101,7 +101,8 @@ def test_wait_expired_is_429_with_the_wait_budget(
     try:
 
         async def both() -> tuple[httpx.Response, httpx.Response]:
-            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            # A generous timeout: on a shared machine one step can take seconds.
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
                 long = {"prompt": "One", "max_tokens": 60, "ignore_eos": True}
                 first = asyncio.create_task(client.post("/v1/completions", json=long))
                 while server.call(lambda: engine.num_running) == 0:
