@@ -106,8 +106,10 @@ def tool_call_schema(tools: Sequence[FunctionTool], choice: ToolChoice) -> dict[
     }
 
 
-def require_schema(params: SamplingParams, schema: Mapping[str, Any], *, param: str) -> None:
-    """Constrain the answer to `schema`, or refuse the request naming `param`.
+def require_schema(
+    params: SamplingParams, schema: Mapping[str, Any], *, param: str
+) -> SamplingParams:
+    """`params` constrained to answers matching `schema`, or a 400 naming `param`.
 
     This is the one place constrained decoding plugs in: until the engine can apply a grammar,
     no answer could be guaranteed to match, so the request is refused."""

@@ -458,7 +458,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         params = sampling_params(body, engine.model_config.vocab_size)
         prompt_ids, tools, choice = await _prompt_ids(engine, body)
         if choice.forced:
-            require_schema(params, tool_call_schema(tools, choice), param="tool_choice")
+            params = require_schema(params, tool_call_schema(tools, choice), param="tool_choice")
         rendering = MessagesRendering(
             f"msg_{exchange.request_id}",
             state.model_name or "",

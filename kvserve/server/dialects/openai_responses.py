@@ -193,21 +193,22 @@ def sampling_params(body: ResponsesRequest, vocab_size: int) -> SamplingParams:
     )
 
 
-def _text_format(body: ResponsesRequest, params: SamplingParams) -> dict[str, Any]:
-    """The `text.format` asked for; a JSON answer goes to the structured-output point."""
+def _text_format(
+    body: ResponsesRequest, params: SamplingParams
+) -> tuple[dict[str, Any], SamplingParams]:
+    """The `text.format` asked for, and the params; a JSON answer goes to the structured-output
+    point."""
     fmt = (body.text or {}).get("format") or {"type": "text"}
     kind = fmt.get("type") if isinstance(fmt, Mapping) else None
     if kind == "text":
-        return dict(fmt)
+        return dict(fmt), params
     if kind == "json_schema":
         schema = fmt.get("schema")
         if not isinstance(schema, Mapping):
             raise APIError(400, "'text.format.schema' must be an object", param="text.format")
-        require_schema(params, schema, param="text.format")
-        return dict(fmt)
+        return dict(fmt), require_schema(params, schema, param="text.format")
     if kind == "json_object":
-        require_schema(params, {"type": "object"}, param="text.format")
-        return dict(fmt)
+        return dict(fmt), require_schema(params, {"type": "object"}, param="text.format")
     raise APIError(
         400, "'text.format.type' must be text, json_schema or json_object", param="text.format"
     )
@@ -439,10 +440,10 @@ def register(app: FastAPI, state: ServerState) -> None:
                 param="previous_response_id",
             )
         params = sampling_params(body, engine.model_config.vocab_size)
-        text_format = _text_format(body, params)
+        text_format, params = _text_format(body, params)
         tools, choice = tool_setup(body)
         if choice.forced:
-            require_schema(params, tool_call_schema(tools, choice), param="tool_choice")
+            params = require_schema(params, tool_call_schema(tools, choice), param="tool_choice")
         messages = conversation(body)
         if not messages:
             raise APIError(400, "'input' must hold at least one item", param="input")
