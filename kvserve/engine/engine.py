@@ -553,6 +553,7 @@ class Engine:
                     token_ids=(token,),
                     logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs,
+                    stop_sequence=detok.stop_reason,
                 )
             elif not state.stream.offer(
                 Delta(
@@ -595,6 +596,7 @@ class Engine:
         prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None,
         error: EngineError | None = None,
         queued: bool = True,
+        stop_sequence: str | None = None,
     ) -> None:
         """End a request however it ends: slot and blocks back (or out of the queue), stream
         finished with the reason and usage, observers told. Idempotent."""
@@ -619,6 +621,7 @@ class Engine:
                 error=error,
                 timestamp=state.finished_at,
                 prompt_logprobs=prompt_logprobs,
+                stop_sequence=stop_sequence,
             )
         )
         self.observer.on_finished(state)

@@ -53,6 +53,7 @@ class Delta:
     # On the delta of the first generated token, when the request asked for prompt logprobs:
     # one entry per prompt token, None for the first (nothing precedes it).
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
 
     @property
     def finished(self) -> bool:

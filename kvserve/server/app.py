@@ -1,7 +1,8 @@
 """The HTTP app (FastAPI on uvicorn) over the Engine's public API: the dialects' routes, the
 middleware, and the probes.
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /v1/chat/completions   POST /v1/completions   POST /v1/responses   GET /v1/models
+    POST /v1/messages   POST /v1/messages/count_tokens
     POST /tokenize   POST /detokenize   GET /health   GET /ready   GET /metrics
 
 The request lifecycle every generating route shares is `kvserve.server.core`; each dialect
@@ -29,7 +30,13 @@ from kvserve.config import ServerConfig
 from kvserve.engine.engine import Engine
 from kvserve.server import schemas
 from kvserve.server.core import EngineFactory, Exchange, ServerState, json_response
-from kvserve.server.dialects import openai_chat, openai_completions, tokenize
+from kvserve.server.dialects import (
+    anthropic_messages,
+    openai_chat,
+    openai_completions,
+    openai_responses,
+    tokenize,
+)
 from kvserve.server.middleware import OPEN_PATHS, Gatekeeper
 from kvserve.server.protocol import APIError, validation_error_from_list
 
@@ -42,7 +49,7 @@ __all__ = [
     "create_app",
 ]
 
-_DIALECTS = (openai_chat, openai_completions, tokenize)
+_DIALECTS = (openai_chat, openai_completions, openai_responses, anthropic_messages, tokenize)
 
 ENDPOINTS = frozenset(
     {"/v1/models", *OPEN_PATHS, *(path for dialect in _DIALECTS for path in dialect.PATHS)}

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key",
         default=e("--api-key", None),
-        help="require 'Authorization: Bearer KEY' on the API (health, ready, metrics stay open)",
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on the API "
+        "(health, ready, metrics stay open)",
     )
     g.add_argument(
         "--max-body-bytes",

@@ -56,6 +56,7 @@ class Gatekeeper:
         self.endpoints = endpoints
         key = state.config.api_key
         self._expected = f"Bearer {key}".encode() if key else None
+        self._expected_key = key.encode() if key else None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -109,16 +110,20 @@ class Gatekeeper:
     def _authorize(self, scope: Mapping[str, Any]) -> APIError | None:
         if self._expected is None or scope["path"] in OPEN_PATHS:
             return None
-        given = b""
+        bearer = api_key = b""
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
-                given = value
-                break
-        if hmac.compare_digest(given, self._expected):
+                bearer = value
+            elif name == b"x-api-key":  # as Anthropic clients send it
+                api_key = value
+        assert self._expected_key is not None
+        if hmac.compare_digest(bearer, self._expected) or hmac.compare_digest(
+            api_key, self._expected_key
+        ):
             return None
         return APIError(
             401,
-            "a valid API key is required: send 'Authorization: Bearer <key>'",
+            "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
             error_type="authentication_error",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
