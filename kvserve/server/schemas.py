@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 __all__ = [
     "ChatCompletion",
@@ -201,19 +201,80 @@ _ERROR_DESCRIPTIONS = {
 }
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI `responses` entries for these error statuses, each with the error body."""
+def error_responses(
+    *statuses: int, model: type[BaseModel] | None = None
+) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries for these error statuses, each with the error body (OpenAI's
+    unless `model` names the dialect's own)."""
     return {
-        status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]}
+        status: {"model": model or ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]}
         for status in statuses
     }
+
+
+class _Open(BaseModel):
+    """A body with these fields at least (the dialects' objects carry more)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error body."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class AnthropicMessage(_Open):
+    """An Anthropic `message`."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    content: list[dict[str, Any]]
+    model: str
+    stop_reason: str | None
+    usage: dict[str, Any]
+
+
+class AnthropicEvent(_Open):
+    """One Messages stream event (its `event:` line repeats the type)."""
+
+    type: str
+
+
+class AnthropicTokenCount(BaseModel):
+    input_tokens: int
+
+
+class ResponseObject(_Open):
+    """An OpenAI Responses `response`."""
+
+    id: str
+    object: Literal["response"]
+    status: str
+    output: list[dict[str, Any]]
+
+
+class ResponseEvent(_Open):
+    """One Responses stream event."""
+
+    type: str
+    sequence_number: int
 
 
 def json_response(model: type[BaseModel], description: str = "OK") -> dict[str, Any]:
     return {"model": model, "description": description}
 
 
-def stream_response(model: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
+def stream_response(
+    model: type[BaseModel], chunk: type[BaseModel], error: type[BaseModel] | None = None
+) -> dict[str, Any]:
     """A 200 that is `model` as JSON, or, when the request said `stream`, server-sent events
     whose data is a `chunk` as JSON, then `[DONE]` (or an error body, if it failed midway)."""
     data = {
@@ -222,7 +283,7 @@ def stream_response(model: type[BaseModel], chunk: type[BaseModel]) -> dict[str,
         "contentSchema": {
             "anyOf": [
                 {"$ref": f"#/components/schemas/{chunk.__name__}"},
-                {"$ref": "#/components/schemas/ErrorResponse"},
+                {"$ref": f"#/components/schemas/{(error or ErrorResponse).__name__}"},
             ]
         },
         "description": f"a {chunk.__name__} as JSON, an ErrorResponse, or the final [DONE]",
@@ -263,7 +324,13 @@ def describe(app: FastAPI, bodies: Mapping[tuple[str, str], type[BaseModel]]) ->
             routes=app.routes,
         )
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for chunk in (ChatCompletionChunk, CompletionChunk):
+        for chunk in (
+            ChatCompletionChunk,
+            CompletionChunk,
+            AnthropicEvent,
+            AnthropicError,
+            ResponseEvent,
+        ):
             # Named only inside event-stream descriptions, which FastAPI does not read.
             chunk_schema = chunk.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(chunk_schema.pop("$defs", {}))

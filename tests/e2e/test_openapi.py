@@ -76,6 +76,9 @@ ROUTES = [
     ("POST", "/v1/completions"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/v1/responses"),
 ]
 
 
@@ -89,6 +92,7 @@ _KEPT = frozenset(
     {
         "prompt",
         "messages",
+        "input",
         "tokens",
         "echo",
         "logprobs",
@@ -130,8 +134,12 @@ def _repaired(case):
     temperature = body.get("temperature")
     if not isinstance(temperature, float) or not 0 <= temperature <= 2:
         body.pop("temperature", None)
-    if case.operation.path.endswith("completions"):
+    if case.operation.path.endswith(("completions", "/v1/messages")):
         body["max_tokens"] = 4
+    if case.operation.path == "/v1/responses":
+        if not isinstance(body.get("input"), str):
+            body["input"] = "Hi"
+        body["max_output_tokens"] = 4
     case.body = body
     return case
 

@@ -362,10 +362,14 @@ def test_auto_reasons_where_the_cpu_kernels_cannot_run():
     )
 
 
-def test_auto_keeps_a_dtype_asked_for_by_name(loaded_fp32):
+def test_auto_keeps_a_dtype_asked_for_by_name(loaded_default):
     """`--dtype float32` asks for the float path: auto keeps it, and says so."""
-    assert loaded_fp32.model.quantization == "none"
-    assert loaded_fp32.quantization_reason == "auto: --dtype float32 asked for, kept"
+    from kvserve.model.loader import choose_quantization
+
+    choice = choose_quantization(
+        "auto", ["F32", "Q4_1"], loaded_default.config, CPU, torch.float32, dtype_asked=True
+    )
+    assert choice == ("none", "auto: --dtype float32 asked for, kept")
 
 
 def test_unknown_quantization_is_refused():

@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from kvserve.engine.stream import Delta
-from kvserve.sampling import SamplingParams
+from kvserve.params import SamplingParams
+from kvserve.server import schemas
 from kvserve.server.core import ServerState, json_response
 from kvserve.server.core import sampling_params as core_sampling_params
 from kvserve.server.dialects.function_tools import (
@@ -444,12 +445,29 @@ class MessagesRendering:
 # Routes
 
 
+BODIES = {
+    ("post", "/v1/messages"): MessagesRequest,
+    ("post", "/v1/messages/count_tokens"): CountTokensRequest,
+}
+"""Each route's JSON body, for the API's description."""
+
+
 def register(app: FastAPI, state: ServerState) -> None:
     """Add the routes and the Anthropic error shape for their paths."""
     for path in PATHS:
         state.error_shapes[path] = error_body
 
-    @app.post("/v1/messages")
+    errors = schemas.error_responses(400, 401, 404, 413, 429, 503, model=schemas.AnthropicError)
+
+    @app.post(
+        "/v1/messages",
+        responses={
+            200: schemas.stream_response(
+                schemas.AnthropicMessage, schemas.AnthropicEvent, schemas.AnthropicError
+            ),
+            **errors,
+        },
+    )
     async def messages(request: Request) -> Response:
         exchange, engine, body = await state.accept(request, MessagesRequest, _refused)
         if not body.messages:
@@ -475,7 +493,10 @@ def register(app: FastAPI, state: ServerState) -> None:
             param_names=_PARAM_NAMES,
         )
 
-    @app.post("/v1/messages/count_tokens")
+    @app.post(
+        "/v1/messages/count_tokens",
+        responses={200: schemas.json_response(schemas.AnthropicTokenCount), **errors},
+    )
     async def count_tokens(request: Request) -> Response:
         _, engine, body = await state.accept(request, CountTokensRequest, _refused)
         prompt_ids, _, _ = await _prompt_ids(engine, body)

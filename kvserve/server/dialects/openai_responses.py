@@ -27,7 +27,8 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from kvserve.engine.stream import Delta, Usage
-from kvserve.sampling import SamplingParams
+from kvserve.params import SamplingParams
+from kvserve.server import schemas
 from kvserve.server.core import ServerState
 from kvserve.server.core import sampling_params as core_sampling_params
 from kvserve.server.dialects.function_tools import (
@@ -426,10 +427,20 @@ class ResponsesRendering:
 # Routes
 
 
+BODIES = {("post", "/v1/responses"): ResponsesRequest}
+"""The route's JSON body, for the API's description."""
+
+
 def register(app: FastAPI, state: ServerState) -> None:
     """Add the route."""
 
-    @app.post("/v1/responses")
+    @app.post(
+        "/v1/responses",
+        responses={
+            200: schemas.stream_response(schemas.ResponseObject, schemas.ResponseEvent),
+            **schemas.error_responses(400, 401, 404, 413, 429, 503),
+        },
+    )
     async def responses(request: Request) -> Response:
         exchange, engine, body = await state.accept(request, ResponsesRequest, _refused)
         if body.previous_response_id is not None:
