@@ -79,6 +79,33 @@ class EngineObserver:
     def on_step(self, plan: StepPlan, seconds: float) -> None: ...
 
 
+class Observers(EngineObserver):
+    """Several observers, each told everything in order."""
+
+    def __init__(self, *observers: EngineObserver) -> None:
+        self.observers = observers
+
+    def on_admitted(self, state: RequestState) -> None:
+        for observer in self.observers:
+            observer.on_admitted(state)
+
+    def on_token(self, state: RequestState, now: float) -> None:
+        for observer in self.observers:
+            observer.on_token(state, now)
+
+    def on_finished(self, state: RequestState) -> None:
+        for observer in self.observers:
+            observer.on_finished(state)
+
+    def on_rejected(self, reason: str) -> None:
+        for observer in self.observers:
+            observer.on_rejected(reason)
+
+    def on_step(self, plan: StepPlan, seconds: float) -> None:
+        for observer in self.observers:
+            observer.on_step(plan, seconds)
+
+
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """Who got which rows in one step (kept when `record_steps` is on)."""

@@ -49,9 +49,12 @@ const KVView = (() => {
     return "#" + [f(0), f(8), f(4)].map((x) => Math.round(x * 255).toString(16).padStart(2, "0")).join("");
   }
 
+  // How an id is written on the page; a page with long ids (the live engine's) shortens it.
+  const view = { label: (id) => id };
+
   function chip(requestId, color, extra) {
     return el("span", { class: "chip", "data-request": requestId, style: `background:${color}`,
-                        text: requestId + (extra || "") });
+                        title: requestId, text: view.label(requestId) + (extra || "") });
   }
 
   function list(ids) {
@@ -129,7 +132,7 @@ const KVView = (() => {
       let title = owner ? `block ${blockId}: ${owner}, ${block.fill} positions written` : `block ${blockId}: free`;
       if ((block.refcount || 0) > 1) title += `, shared by ${block.refcount}`;
       if (block.cached) title = `block ${blockId}: cached prefix, free to reuse`;
-      const label = owner ? `${blockId} ${owner}` : `${blockId}`;
+      const label = owner ? `${blockId} ${view.label(owner)}` : `${blockId}`;
       const node = el("div", { class: classes.join(" "), "data-block": String(blockId),
                                "data-owner": owner || "", "data-fill": String(block.fill), title },
                       cells, el("div", { class: "label", text: label }));
@@ -168,5 +171,5 @@ const KVView = (() => {
     textBox.textContent = texts.length ? texts.join("; ") : "no rows";
   }
 
-  return { PALETTE, el, pale, chip, list, colorAllocator, drawQueue, drawSlots, drawPool, drawRows };
+  return { view, PALETTE, el, pale, chip, list, colorAllocator, drawQueue, drawSlots, drawPool, drawRows };
 })();
