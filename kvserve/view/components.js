@@ -58,7 +58,7 @@ const KVView = (() => {
   }
 
   function list(ids) {
-    return ids.length ? ids.join(", ") : "";
+    return ids.length ? ids.map((id) => view.label(id)).join(", ") : "";
   }
 
   // queued: [{request_id, reason (a short key), why (its sentence), wait (text or "")}]
@@ -152,16 +152,17 @@ const KVView = (() => {
                                "data-request": row.request_id,
                                "data-kind": row.is_prefill ? "prefill" : "decode",
                                style: `background:${colorOf(row.request_id)}`,
-                               title: row.start === undefined ? row.request_id
+                               title: row.start === undefined ? view.label(row.request_id)
                                                               : `${row.request_id} position ${row.start + k}`,
                                text: row.is_prefill ? "P" : "D" }));
       }
       if (row.is_prefill) {
+        const name = view.label(row.request_id);
         texts.push(row.start === undefined
-          ? `${row.request_id} prefill ${row.num_tokens} positions`
-          : `${row.request_id} prefill positions ${row.start}\u2013${row.start + row.num_tokens - 1}` +
+          ? `${name} prefill ${row.num_tokens} positions`
+          : `${name} prefill positions ${row.start}\u2013${row.start + row.num_tokens - 1}` +
             (row.samples ? " (prompt done: first token)" : ""));
-      } else texts.push(`${row.request_id} decode`);
+      } else texts.push(`${view.label(row.request_id)} decode`);
     }
     const used = rows.reduce((sum, row) => sum + row.num_tokens, 0);
     for (let k = used; k < maxRows; k++) {
