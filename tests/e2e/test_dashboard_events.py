@@ -276,3 +276,23 @@ def test_the_stream_needs_the_api_key_and_the_page_holds_no_data(server_factory,
         assert "https://" not in page.text
     finally:
         server.stop()
+
+
+class Untouchable:
+    """Raises on any attribute read: proof that a hook looked at nothing."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"read {name!r} with no viewer connected")
+
+
+def test_with_no_viewer_the_hooks_read_nothing() -> None:
+    from kvserve.engine.events import EngineEvents
+
+    events = EngineEvents()
+    touch = Untouchable()
+    events.on_admitted(touch)
+    events.on_token(touch, 0.0)
+    events.on_finished(touch)
+    events.on_rejected("queue_full")
+    events.on_step(touch, 0.01)
+    assert events.num_events == 0 and events.num_viewers == 0
