@@ -25,6 +25,19 @@ class ChunkPlan:
     block_ids: tuple[int, ...]
     is_prefill: bool
     samples: bool
+    # The sequences sampling from this chunk's last row when that is more than the chunk's own:
+    # the chunk completing an n > 1 prompt samples each answer (empty: just `request_id`).
+    sample_ids: tuple[str, ...] = ()
+    # The input token ids of the chunk's rows, built on the loop thread at planning time
+    # (empty when the scheduler was given counts only).
+    token_ids: tuple[int, ...] = ()
+
+    @property
+    def sampler_ids(self) -> tuple[str, ...]:
+        """The sequences that get a token from this chunk (none when it does not sample)."""
+        if not self.samples:
+            return ()
+        return self.sample_ids or (self.request_id,)
 
     @property
     def end(self) -> int:
@@ -38,12 +51,16 @@ class StepPlan:
 
     `chunks` holds prefill chunks first, then decode rows, each group in arrival order.
     `waiting_ids` names the running sequences that got no rows this step, in arrival order;
-    they keep their slot and blocks and are planned again next step.
+    they keep their slot and blocks and are planned again next step. `copies` are block copies
+    to run before the forward pass.
     """
 
     step: int
     chunks: tuple[ChunkPlan, ...]
     waiting_ids: tuple[str, ...] = ()
+    # KV block copies (source, target) to run before the forward pass: an n > 1 prompt's partly
+    # filled last block, copied for each answer but the first.
+    copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_rows(self) -> int:
