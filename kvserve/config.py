@@ -58,6 +58,7 @@ class CacheConfig:
     kv_cache_dtype: str = (
         "auto"  # "auto" (the model's dtype) | "int8" (kvserve/model/csrc/kv_int8.c)
     )
+    enable_prefix_caching: bool = True  # reuse the KV of published prompt blocks
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -46,6 +46,16 @@ class ChunkPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy block `source`'s KV into block `target`, for sequence `request_id`, before the
+    forward pass: an n > 1 prompt's partly filled last block, one copy per answer but the first."""
+
+    request_id: str
+    source: int
+    target: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     """The rows of one forward pass.
 
@@ -60,7 +70,7 @@ class StepPlan:
     waiting_ids: tuple[str, ...] = ()
     # KV block copies (source, target) to run before the forward pass: an n > 1 prompt's partly
     # filled last block, copied for each answer but the first.
-    copies: tuple[tuple[int, int], ...] = ()
+    copies: tuple[BlockCopy, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -81,3 +91,12 @@ class StepPlan:
     def request_ids(self) -> tuple[str, ...]:
         """The sequences that get rows, in plan order."""
         return tuple(chunk.request_id for chunk in self.chunks)
+
+    @property
+    def touched_ids(self) -> tuple[str, ...]:
+        """Every sequence whose KV or output this step writes: rows, samples and copies."""
+        ids = dict.fromkeys(self.request_ids)
+        for chunk in self.chunks:
+            ids.update(dict.fromkeys(chunk.sampler_ids))
+        ids.update(dict.fromkeys(copy.request_id for copy in self.copies))
+        return tuple(ids)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.blocks import BlockPool
-from kvserve.core.plan import ChunkPlan, StepPlan
+from kvserve.core.plan import BlockCopy, ChunkPlan, StepPlan
 from kvserve.core.prefix import BlockHash, block_hashes
 from kvserve.core.queue import AdmissionQueue, CapacitySignal, Outcome, Waiter
 
@@ -164,7 +164,7 @@ class Scheduler:
         self._by_id: dict[str, SeqState] = {}
         self._num_steps = 0
         self._pending_step: int | None = None  # the planned step awaiting update()
-        self._pending_copies: list[tuple[int, int]] = []  # (source, target) for the next plan
+        self._pending_copies: list[BlockCopy] = []  # for the next plan
         self._batch_open = True
 
     # -- introspection -------------------------------------------------------------------------
@@ -230,8 +230,9 @@ class Scheduler:
             return max_tokens
         return max(self.max_sequence_tokens - num_prompt_tokens, 0)
 
-    def check(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        """Return the reserve, or raise Infeasible when the request could never run."""
+    def check(self, num_prompt_tokens: int, max_tokens: int | None, n: int = 1) -> int:
+        """Return the reserve, or raise Infeasible when the request could never run (with
+        `n` answers: the prompt's blocks once, each answer's blocks n times, n slots)."""
         context = self._max_model_len
         pool_tokens = self._pool.num_blocks * self._pool.block_size
         if num_prompt_tokens < 1:
@@ -264,6 +265,20 @@ class Scheduler:
                 f"the KV cache holds at most {pool_tokens} tokens; {total} were requested "
                 f"({num_prompt_tokens} in the prompt, {reserve} for the answer)",
             )
+        if n > 1:
+            if n > self.config.max_num_seqs:
+                raise Infeasible(
+                    "n", f"n is {n}; at most {self.config.max_num_seqs} sequences run at once"
+                )
+            needed = self._pool.blocks_for(total) + (n - 1) * self._follower_blocks(
+                num_prompt_tokens, reserve
+            )
+            if self.config.admission == "reserve" and needed > self._pool.num_blocks:
+                raise Infeasible(
+                    "n",
+                    f"{n} answers of up to {reserve} tokens to a {num_prompt_tokens}-token "
+                    f"prompt need {needed} KV blocks; the cache has {self._pool.num_blocks}",
+                )
         return reserve
 
     # -- admission -----------------------------------------------------------------------------
@@ -445,7 +460,9 @@ class Scheduler:
         self._pending_step = step
         order = {seq.request_id: index for index, seq in enumerate(self._running)}
         waiting_ids.sort(key=order.__getitem__)
-        copies, self._pending_copies = tuple(self._pending_copies), []
+        # A follower released since its fork needs no copy (its block may belong to another).
+        copies = tuple(c for c in self._pending_copies if c.request_id in self._by_id)
+        self._pending_copies = []
         return StepPlan(
             step=step,
             chunks=tuple(prefill_chunks + decode_chunks),
@@ -523,11 +540,10 @@ class Scheduler:
 
     def abort(self, plan: StepPlan) -> None:
         """The step failed: nothing it planned counts and nothing is published. The caller
-        releases its sequences."""
+        releases every sequence the step touched (`plan.touched_ids`)."""
         if plan.step != self._pending_step:
             raise ValueError(f"step {plan.step} is not the pending step ({self._pending_step})")
         self._pending_step = None
-        self._pending_copies = [(src, dst) for src, dst in (*plan.copies, *self._pending_copies)]
 
     def _fork(self, leader: SeqState, follower: SeqState) -> None:
         """The leader's prompt is computed: the follower takes its full blocks by reference and
@@ -538,7 +554,9 @@ class Scheduler:
         self._pool.share(follower.request_id, leader_table[:num_full], prepend=True)
         if leader.num_prompt_tokens % block_size:
             own = self._pool.table(follower.request_id)
-            self._pending_copies.append((leader_table[num_full], own[num_full]))
+            self._pending_copies.append(
+                BlockCopy(follower.request_id, leader_table[num_full], own[num_full])
+            )
         follower.num_computed = leader.num_prompt_tokens
         follower.block_hashes = list(leader.block_hashes[:num_full])
         follower.num_published = num_full  # the leader publishes the shared blocks

@@ -1,15 +1,15 @@
 """Batch: the mechanism that turns a StepPlan into one forward pass and samples.
 
-It never decides who runs; the Scheduler did. Given the plan and each request's tokens so far,
-it builds the flat inputs (token ids, positions, slots, block tables), runs the model, and
-samples one token for every chunk whose last row needs logits.
+It never decides who runs; the Scheduler did. Given the plan (which carries every row's input
+token id, built on the loop thread) and the row states of the sequences that sample, it runs the
+plan's block copies, builds the flat inputs (token ids, positions, slots, block tables), runs the
+model, and samples one token for every sequence sampling from a chunk's last row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -18,15 +18,6 @@ from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.llama import LlamaModel
 from kvserve.sampling import RowState, Sampler
-
-
-class SequenceTokens(Protocol):
-    """What the Batch reads from a request: its tokens and how to sample it."""
-
-    @property
-    def all_token_ids(self) -> Sequence[int]: ...  # prompt then output
-
-    def row_state(self) -> RowState: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,33 +44,46 @@ class Batch:
         self.block_size = kv_cache.block_size
 
     def inputs(
-        self, plan: StepPlan, sequences: Mapping[str, SequenceTokens]
-    ) -> tuple[torch.Tensor, list[str], list[RowState]]:
-        """Flat token ids for every row, and the sampling chunks' request ids and row states."""
+        self, plan: StepPlan, rows: Mapping[str, RowState]
+    ) -> tuple[torch.Tensor, list[str], list[RowState], list[int]]:
+        """Flat token ids for every row; the sampling sequences, their row states, and for each
+        the index of the logits row it samples from (several when n > 1 share a prompt)."""
         token_ids: list[int] = []
         sampling_ids: list[str] = []
-        rows: list[RowState] = []
+        states: list[RowState] = []
+        logits_rows: list[int] = []
+        num_sampling_chunks = 0
         for chunk in plan.chunks:
-            seq = sequences[chunk.request_id]
-            tokens = seq.all_token_ids
-            token_ids.extend(tokens[chunk.start : chunk.start + chunk.num_tokens])
+            if len(chunk.token_ids) != chunk.num_tokens:
+                raise ValueError(f"chunk of {chunk.request_id!r} carries no input tokens")
+            token_ids.extend(chunk.token_ids)
             if chunk.samples:
-                sampling_ids.append(chunk.request_id)
-                rows.append(seq.row_state())
+                for seq_id in chunk.sampler_ids:
+                    sampling_ids.append(seq_id)
+                    states.append(rows[seq_id])
+                    logits_rows.append(num_sampling_chunks)
+                num_sampling_chunks += 1
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        return ids, sampling_ids, rows
+        return ids, sampling_ids, states, logits_rows
 
-    def execute(self, plan: StepPlan, sequences: Mapping[str, SequenceTokens]) -> StepOutput:
-        """One forward pass over the plan's rows, then one sample per sampling chunk."""
+    def execute(self, plan: StepPlan, rows: Mapping[str, RowState]) -> StepOutput:
+        """The plan's block copies, one forward pass over its rows, then one sample per
+        sampling sequence (`rows`: its row state, by sequence id)."""
+        for copy in plan.copies:
+            self.kv_cache.copy_block(copy.source, copy.target)
         if plan.num_rows == 0:
             return StepOutput({}, 0)
-        token_ids, sampling_ids, rows = self.inputs(plan, sequences)
+        token_ids, sampling_ids, states, logits_rows = self.inputs(plan, rows)
         meta = build_metadata(plan.chunks, self.block_size, self.device, native=self.model.native)
         logits = self.model.forward(token_ids, meta, self.kv_cache)
-        result = self.sampler.sample(logits, rows)
+        if len(logits_rows) != logits.shape[0]:
+            # logits: [sampling chunks, vocab] -> [sampling sequences, vocab]
+            index = torch.tensor(logits_rows, dtype=torch.long, device=logits.device)
+            logits = logits.index_select(0, index)
+        result = self.sampler.sample(logits, states)
         sampled = {
-            request_id: Sampled(token, logprob, top)
-            for request_id, token, logprob, top in zip(
+            seq_id: Sampled(token, logprob, top)
+            for seq_id, token, logprob, top in zip(
                 sampling_ids, result.token_ids, result.logprobs, result.top_logprobs, strict=True
             )
         }

@@ -24,7 +24,21 @@ Conversation = Sequence[Mapping[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One of a request's n answers."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    logprobs: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
+    """A request's result: `outputs` holds its n answers; `text`, `token_ids`, `finish_reason`
+    and `logprobs` are the first answer's; `usage` adds up every answer."""
+
     request_id: str
     prompt_token_ids: tuple[int, ...]
     text: str
@@ -32,6 +46,7 @@ class RequestOutput:
     finish_reason: str
     usage: Usage
     logprobs: tuple[TokenLogprob, ...]
+    outputs: tuple[CompletionOutput, ...] = ()
 
 
 class LLM:
@@ -143,12 +158,27 @@ def _output(request: GenerationRequest, deltas: list[Delta]) -> RequestOutput:
     final = deltas[-1]
     if final.error is not None and final.finish_reason not in ("stop", "length"):
         raise final.error
+    outputs = []
+    for index in range(request.params.n):
+        mine = [d for d in deltas if d.index == index]
+        ends = [d.finish_reason for d in mine if d.finish_reason is not None]
+        outputs.append(
+            CompletionOutput(
+                index=index,
+                text="".join(d.text for d in mine),
+                token_ids=tuple(t for d in mine for t in d.token_ids),
+                finish_reason=ends[-1] if ends else final.finish_reason,
+                logprobs=tuple(lp for d in mine for lp in d.logprobs),
+            )
+        )
+    first = outputs[0]
     return RequestOutput(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
-        text="".join(d.text for d in deltas),
-        token_ids=tuple(t for d in deltas for t in d.token_ids),
-        finish_reason=final.finish_reason,
+        text=first.text,
+        token_ids=first.token_ids,
+        finish_reason=first.finish_reason,
         usage=final.usage,
-        logprobs=tuple(lp for d in deltas for lp in d.logprobs),
+        logprobs=first.logprobs,
+        outputs=tuple(outputs),
     )

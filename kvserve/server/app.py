@@ -256,7 +256,11 @@ class ServerState:
         try:
             stream = engine.submit(
                 GenerationRequest(
-                    tuple(prompt_ids), params, request_id=request_id, arrival_time=exchange.started
+                    tuple(prompt_ids),
+                    params,
+                    request_id=request_id,
+                    arrival_time=exchange.started,
+                    cache_salt=body.cache_salt,
                 )
             )
         except EngineError as exc:
@@ -300,7 +304,7 @@ class ServerState:
     ) -> Delta:
         async for delta in stream:
             exchange.saw_tokens(delta)
-            renderer.add(delta.text, delta.logprobs)
+            renderer.add(delta.text, delta.logprobs, delta.index, delta.finish_reason)
             if delta.finished:
                 _record_end(exchange, delta)
                 return delta
@@ -329,14 +333,16 @@ class ServerState:
                     if delta.finished:
                         final = delta
                         break
-                    chunk = renderer.delta_chunk(delta.text, delta.logprobs, None)
+                    chunk = renderer.delta_chunk(
+                        delta.text, delta.logprobs, delta.finish_reason, delta.index
+                    )
                     if chunk is not None:
                         parts.append(event(chunk))
                 if final is not None:
                     _record_end(exchange, final)
                     if final.finish_reason in _GOOD_ENDINGS:
                         chunk = renderer.delta_chunk(
-                            final.text, final.logprobs, final.finish_reason
+                            final.text, final.logprobs, final.finish_reason, final.index
                         )
                         parts.append(event(chunk))
                         if include_usage:
@@ -689,6 +695,7 @@ def create_app(
             int(time.time()),
             tokenizer.token_bytes,
             logprobs=bool(body.logprobs),
+            n=params.n,
         )
         return await state.generate(request, exchange, prompt_ids, body, params, renderer)
 
@@ -715,6 +722,7 @@ def create_app(
             int(time.time()),
             tokenizer.token_bytes,
             logprobs=body.logprobs is not None,
+            n=params.n,
         )
         return await state.generate(request, exchange, prompt_ids, body, params, renderer)
 

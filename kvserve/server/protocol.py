@@ -154,6 +154,7 @@ class _SamplingFields(_Model):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     n: int | None = None
+    cache_salt: str | None = None  # isolates a tenant in the prefix cache (vLLM's name)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
 
@@ -339,8 +340,8 @@ def sampling_params(
     request: ChatCompletionRequest | CompletionRequest, vocab_size: int
 ) -> SamplingParams:
     """The request's SamplingParams, validated; APIError(400) names the request's own field."""
-    if _or(request.n, 1) != 1:
-        raise APIError(400, "'n': only n=1 is supported", param="n")
+    if request.cache_salt is not None and not request.cache_salt:
+        raise APIError(400, "'cache_salt' must be a non-empty string", param="cache_salt")
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
@@ -371,6 +372,7 @@ def sampling_params(
             repetition_penalty=_or(request.repetition_penalty, 1.0),
             logit_bias=_or(request.logit_bias, ()),
             logprobs=logprobs,
+            n=_or(request.n, 1),
         )
         params.validate(vocab_size)
     except SamplingParamsError as exc:
@@ -395,11 +397,12 @@ def request_param(request: ChatCompletionRequest | CompletionRequest, param: str
 # Response pieces
 
 
-def usage_dict(usage: Usage) -> dict[str, int]:
+def usage_dict(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 
@@ -476,7 +479,11 @@ def dumps(value: Any) -> str:
 
 
 class _Renderer:
-    """Turns one request's deltas into stream chunks (JSON text) or one response body."""
+    """Turns one request's deltas into stream chunks (JSON text) or one response body.
+
+    With n > 1, every delta names its answer (`index`); chunks carry that index and the
+    response lists the n choices in order.
+    """
 
     chunk_object = ""
 
@@ -488,19 +495,22 @@ class _Renderer:
         token_bytes: Callable[[int], bytes],
         *,
         logprobs: bool,
+        n: int = 1,
     ) -> None:
         self.response_id = response_id
         self.model = model
         self.created = created
         self.token_bytes = token_bytes
         self.want_logprobs = logprobs
+        self.n = n
         # Every chunk starts the same way; built once, not per token.
         self._head = (
             f'{{"id":{dumps(response_id)},"object":"{self.chunk_object}",'
             f'"created":{created},"model":{dumps(model)},"choices":'
         )
-        self._texts: list[str] = []
-        self._logprobs: list[TokenLogprob] = []
+        self._texts: list[list[str]] = [[] for _ in range(n)]
+        self._logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        self._finish_reasons: list[str | None] = [None] * n
 
     def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> str:
         if usage is None:
@@ -516,30 +526,50 @@ class _Renderer:
         return self._chunk([], usage)
 
     def delta_chunk(
-        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
+        self,
+        text: str,
+        logprobs: Sequence[TokenLogprob],
+        finish_reason: str | None,
+        index: int = 0,
     ) -> str | None:
         """The chunk for one delta; None when it carries nothing a client could see."""
         wanted = logprobs if self.want_logprobs else ()
         if not text and not wanted and finish_reason is None:
             return None
-        return self._chunk([self._choice(text, wanted, finish_reason)])
+        return self._chunk([self._choice(text, wanted, finish_reason, index)])
 
     def _choice(
-        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
+        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None, index: int
     ) -> dict[str, Any]:
         """The one choice of a delta chunk (`logprobs` empty when none are to be sent)."""
         raise NotImplementedError
 
-    def add(self, text: str, logprobs: Sequence[TokenLogprob]) -> None:
-        """Accumulate a delta for the non-streaming response."""
+    def add(
+        self,
+        text: str,
+        logprobs: Sequence[TokenLogprob],
+        index: int = 0,
+        finish_reason: str | None = None,
+    ) -> None:
+        """Accumulate a delta of answer `index` for the non-streaming response."""
         if text:
-            self._texts.append(text)
+            self._texts[index].append(text)
         if self.want_logprobs and logprobs:
-            self._logprobs.extend(logprobs)
+            self._logprobs[index].extend(logprobs)
+        if finish_reason is not None:
+            self._finish_reasons[index] = finish_reason
 
     @property
     def text(self) -> str:
-        return "".join(self._texts)
+        """The first answer's text."""
+        return "".join(self._texts[0])
+
+    def _answers(self, finish_reason: str) -> list[tuple[int, str, list[TokenLogprob], str]]:
+        """(index, text, logprobs, finish reason) of every answer, in index order."""
+        return [
+            (index, "".join(texts), logprobs, self._finish_reasons[index] or finish_reason)
+            for index, (texts, logprobs) in enumerate(zip(self._texts, self._logprobs, strict=True))
+        ]
 
 
 class ChatRenderer(_Renderer):
@@ -548,19 +578,25 @@ class ChatRenderer(_Renderer):
     chunk_object = "chat.completion.chunk"
 
     def start_chunks(self) -> list[str]:
-        choice = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return [self._chunk([choice])]
+        return [
+            self._chunk(
+                [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for index in range(self.n)
+        ]
 
     def _choice(
-        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
+        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None, index: int
     ) -> dict[str, Any]:
         return {
-            "index": 0,
+            "index": index,
             "delta": {"content": text} if text or finish_reason is None else {},
             "logprobs": {"content": chat_logprobs(logprobs, self.token_bytes)}
             if logprobs
@@ -576,15 +612,16 @@ class ChatRenderer(_Renderer):
             "model": self.model,
             "choices": [
                 {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": self.text},
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
                     "logprobs": (
-                        {"content": chat_logprobs(self._logprobs, self.token_bytes)}
+                        {"content": chat_logprobs(logprobs, self.token_bytes)}
                         if self.want_logprobs
                         else None
                     ),
-                    "finish_reason": finish_reason,
+                    "finish_reason": reason,
                 }
+                for index, text, logprobs, reason in self._answers(finish_reason)
             ],
             "usage": usage_dict(usage),
         }
@@ -597,34 +634,32 @@ class CompletionRenderer(_Renderer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._text_offset = 0
+        self._text_offsets = [0] * self.n
 
     def _choice(
-        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
+        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None, index: int
     ) -> dict[str, Any]:
         rendered = None
         if logprobs:
-            rendered, self._text_offset = completion_logprobs(
-                logprobs, self.token_bytes, self._text_offset
+            rendered, self._text_offsets[index] = completion_logprobs(
+                logprobs, self.token_bytes, self._text_offsets[index]
             )
-        return {"index": 0, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
 
     def response(self, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        logprobs = None
-        if self.want_logprobs:
-            logprobs, _ = completion_logprobs(self._logprobs, self.token_bytes, 0)
+        choices = []
+        for index, text, entries, reason in self._answers(finish_reason):
+            logprobs = None
+            if self.want_logprobs:
+                logprobs, _ = completion_logprobs(entries, self.token_bytes, 0)
+            choices.append(
+                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+            )
         return {
             "id": self.response_id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": self.text,
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason,
-                }
-            ],
+            "choices": choices,
             "usage": usage_dict(usage),
         }

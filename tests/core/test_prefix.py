@@ -156,9 +156,9 @@ def test_n_answers_prefill_once_then_share_full_blocks_and_copy_the_partial_one(
         table = scheduler.pool.table(seq_id)
         assert table[:2] == leader_table[:2] and table[2] != leader_table[2]
     plan = scheduler.schedule()
-    assert plan.copies == tuple(
-        (leader_table[2], scheduler.pool.table(seq_id)[2]) for seq_id in ids[1:]
-    )
+    assert [(c.request_id, c.source, c.target) for c in plan.copies] == [
+        (seq_id, leader_table[2], scheduler.pool.table(seq_id)[2]) for seq_id in ids[1:]
+    ]
     assert [c.request_id for c in plan.chunks] == ids
     assert [c.token_ids for c in plan.chunks] == [(5,), (6,), (7,)]
     scheduler.update_from_output(plan, {"r": 1, "r#1": 1, "r#2": 1})
