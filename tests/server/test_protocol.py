@@ -177,7 +177,9 @@ def test_logprobs_flags():
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 129}, "n"),
+        ({"n": 0}, "n"),
+        ({"cache_salt": ""}, "cache_salt"),
         ({"temperature": 2.1}, "temperature"),
         ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
         ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
