@@ -39,8 +39,8 @@ test: install browser
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 bench: install
+	# The default configuration (--quantization auto), its engine next to --quantization none.
 	$(PY) -m kvserve.bench.run $(ARGS)
-	$(PY) -m kvserve.bench.run --quantization int8 --kv-cache-dtype int8 $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check kvserve tests

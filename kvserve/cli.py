@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from kvserve.config import (
+    BLOCK_SIZES,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     CacheConfig,
@@ -70,9 +71,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
     g.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
-        default=e("--quantization", "none"),
-        help="none | int8: int8 linear layers on the CPU (about 2x the throughput of bf16; "
-        "see docs/serving.md)",
+        default=e("--quantization", "auto"),
+        help="auto (default: int8 for an already quantized checkpoint where the CPU kernels "
+        "run, else none) | none: the model's dtype | int8: int8 linear layers on the CPU "
+        "(about 2x the throughput of bf16; see docs/serving.md)",
     )
     g.add_argument(
         "--threads",
@@ -81,7 +83,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         help="CPU threads for torch (default: all cores)",
     )
     g = parser.add_argument_group("KV cache")
-    g.add_argument("--block-size", type=int, default=e("--block-size", 32, int))
+    g.add_argument(
+        "--block-size",
+        type=int,
+        choices=BLOCK_SIZES,
+        default=e("--block-size", 32, int),
+        help="positions per KV block",
+    )
     g.add_argument(
         "--num-kv-blocks",
         type=_optional_int,
@@ -98,8 +106,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default=e("--kv-cache-dtype", "auto"),
-        help="auto (the model's dtype) | int8: K and V rows as 8-bit integers with a scale each, "
-        "half the memory and the reads of bf16 (CPU; see docs/serving.md)",
+        help="auto (default: int8 with int8 linear layers where its kernels run, else the "
+        "model's dtype) | model: the model's dtype | int8: K and V rows as 8-bit integers with "
+        "a scale each, half the memory and the reads of bf16 (CPU; see docs/serving.md)",
     )
     g.add_argument(
         "--enable-prefix-caching",

@@ -28,8 +28,10 @@ def env_default(flag: str, default, cast=str):
     return cast(raw)
 
 
-QUANTIZATIONS = ("none", "int8")
-KV_CACHE_DTYPES = ("auto", "int8")
+QUANTIZATIONS = ("auto", "none", "int8")
+KV_CACHE_DTYPES = ("auto", "model", "int8")
+# Positions per KV block the command line accepts (vLLM's set above 1); each is tested.
+BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +41,9 @@ class DeviceConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
     num_threads: int | None = None  # torch intra-op threads on CPU; None = number of cores
-    quantization: str = "none"  # "none" | "int8" (int8 linear layers, kvserve/model/quant.py)
+    # "auto" (int8 for an already quantized checkpoint where the CPU kernels run, else none) |
+    # "none" (the model's dtype) | "int8" (int8 linear layers, kvserve/model/quant.py)
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -55,9 +59,9 @@ class CacheConfig:
     block_size: int = 32
     num_kv_blocks: int | None = None  # explicit pool size; wins over kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for K and V of all layers; None = derived
-    kv_cache_dtype: str = (
-        "auto"  # "auto" (the model's dtype) | "int8" (kvserve/model/csrc/kv_int8.c)
-    )
+    # "auto" (see kvserve.model.kv_cache.choose_cache_dtype) | "model" (the model's dtype) |
+    # "int8" (kvserve/model/csrc/kv_int8.c)
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True  # reuse the KV of published prompt blocks
 
     def __post_init__(self) -> None:

@@ -29,11 +29,22 @@ def loaded_fp32():
 
 @pytest.fixture(scope="session")
 def loaded_default():
-    """The default model in the default dtype for this machine (bf16 where the CPU has it)."""
+    """The default model as `kvserve serve` runs it with no flags (`--quantization auto`: int8
+    linear layers where the CPU kernels run, bf16 where the CPU has it)."""
     from kvserve.config import DeviceConfig
     from kvserve.model.loader import load_model
 
     return load_model(None, DeviceConfig(device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def loaded_bf16():
+    """The default model in the machine's float dtype (bf16 where the CPU has it), float linear
+    layers (`--quantization none`)."""
+    from kvserve.config import DeviceConfig
+    from kvserve.model.loader import load_model
+
+    return load_model(None, DeviceConfig(device="cpu", quantization="none"))
 
 
 @pytest.fixture(scope="session")

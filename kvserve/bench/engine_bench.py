@@ -34,6 +34,7 @@ class EngineBenchResult:
     ttft_mean: float
     ttft_median: float
     ttft_p99: float
+    itl_mean: float = 0.0  # seconds between a request's tokens, after its first
     reference_output_tok_s: float | None = None
 
     def to_dict(self) -> dict:
@@ -54,25 +55,29 @@ def bench_prompts(loaded: LoadedModel, num: int, input_len: int, seed: int = 0) 
 
 async def _engine_run(
     engine: Engine, prompts: list[list[int]], concurrency: int, output_len: int
-) -> tuple[float, list[float], int]:
+) -> tuple[float, list[float], int, list[float]]:
+    """Duration, each request's TTFT, output tokens, and each request's mean inter-token time."""
     gate = asyncio.Semaphore(concurrency)
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
 
-    async def one(ids: list[int]) -> tuple[float, int]:
+    async def one(ids: list[int]) -> tuple[float, int, float]:
         async with gate:
             sent = time.perf_counter()
             stream = engine.submit(GenerationRequest(tuple(ids), params))
-            ttft, count = None, 0
+            first = last = None
+            count = 0
             async for delta in stream:
-                if delta.token_ids and ttft is None:
-                    ttft = time.perf_counter() - sent
+                if delta.token_ids:
+                    last = time.perf_counter()
+                    first = first or last
                 count += len(delta.token_ids)
-            return ttft or 0.0, count
+            itl = (last - first) / (count - 1) if first is not None and count > 1 else 0.0
+            return (first - sent) if first is not None else 0.0, count, itl
 
     started = time.perf_counter()
     results = await asyncio.gather(*(one(p) for p in prompts))
     duration = time.perf_counter() - started
-    return duration, [r[0] for r in results], sum(r[1] for r in results)
+    return duration, [r[0] for r in results], sum(r[1] for r in results), [r[2] for r in results]
 
 
 def measure_engine(
@@ -104,7 +109,7 @@ def measure_engine(
         finally:
             await engine.stop()
 
-    duration, ttfts, tokens = asyncio.run(main())
+    duration, ttfts, tokens, itls = asyncio.run(main())
     ttfts.sort()
     return EngineBenchResult(
         concurrency=concurrency,
@@ -115,6 +120,7 @@ def measure_engine(
         ttft_mean=statistics.fmean(ttfts),
         ttft_median=statistics.median(ttfts),
         ttft_p99=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        itl_mean=statistics.fmean(itls),
     )
 
 
@@ -159,11 +165,29 @@ def run_engine_bench(
     return results
 
 
+def format_comparison_table(
+    results: list[EngineBenchResult], baseline: list[EngineBenchResult], name: str
+) -> str:
+    """The default configuration next to `name` (e.g. `--quantization none`), same run."""
+    lines = [
+        f"| concurrency | default out tok/s | {name} out tok/s | ratio "
+        f"| default inter-token ms | {name} inter-token ms |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r, b in zip(results, baseline, strict=True):
+        lines.append(
+            f"| {r.concurrency} | {r.output_tok_s:.0f} | {b.output_tok_s:.0f} | "
+            f"{r.output_tok_s / b.output_tok_s:.2f}x | {r.itl_mean * 1e3:.1f} | "
+            f"{b.itl_mean * 1e3:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def format_engine_table(results: list[EngineBenchResult]) -> str:
     lines = [
         "| concurrency | requests | kvserve out tok/s | TTFT mean / median / p99 (s) "
-        "| transformers static batches out tok/s | ratio |",
-        "| ---: | ---: | ---: | --- | ---: | ---: |",
+        "| inter-token mean (ms) | transformers static batches out tok/s | ratio |",
+        "| ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for r in results:
         ref = r.reference_output_tok_s
@@ -171,6 +195,7 @@ def format_engine_table(results: list[EngineBenchResult]) -> str:
         ref_text = f"{ref:.0f}" if ref else "—"
         lines.append(
             f"| {r.concurrency} | {r.num_requests} | {r.output_tok_s:.0f} | "
-            f"{r.ttft_mean:.2f} / {r.ttft_median:.2f} / {r.ttft_p99:.2f} | {ref_text} | {ratio} |"
+            f"{r.ttft_mean:.2f} / {r.ttft_median:.2f} / {r.ttft_p99:.2f} | "
+            f"{r.itl_mean * 1e3:.1f} | {ref_text} | {ratio} |"
         )
     return "\n".join(lines)

@@ -121,8 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="model,engine,http", help="comma list of sections")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default="none", help="none | int8 (linear layers)")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | int8")
+    parser.add_argument("--quantization", default="auto", help="auto | none | int8 (linear layers)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | model | int8")
+    parser.add_argument(
+        "--baseline",
+        default="none",
+        help="also run the engine section with this --quantization (its KV cache in the model's "
+        "dtype) and print both side by side; 'off' to skip",
+    )
     parser.add_argument("--no-reference", action="store_true", help="skip transformers figures")
     parser.add_argument("--output", default="docs/benchmarks.md")
     parser.add_argument("--json", default=None, help="also write raw results here")
@@ -130,22 +136,34 @@ def main(argv: list[str] | None = None) -> int:
     sections = set(args.only.split(","))
     concurrencies = [int(c) for c in args.concurrency.split(",")]
 
-    from kvserve.bench.engine_bench import format_engine_table, run_engine_bench
+    from kvserve.bench.engine_bench import (
+        format_comparison_table,
+        format_engine_table,
+        run_engine_bench,
+    )
     from kvserve.bench.model_bench import format_model_table, reference_model, run_model_bench
     from kvserve.config import DeviceConfig
     from kvserve.model.loader import load_model
 
     loaded = load_model(None, DeviceConfig(dtype=args.dtype, quantization=args.quantization))
-    dtype = str(loaded.dtype).removeprefix("torch.")
-    if args.quantization != "none":
-        dtype += f", {args.quantization} linear layers"
-    if args.kv_cache_dtype != "auto":
-        dtype += f", {args.kv_cache_dtype} KV cache"
-    import torch
+    from kvserve.model.kv_cache import choose_cache_dtype
 
-    cache_dtype = torch.int8 if args.kv_cache_dtype == "int8" else None
+    cache_dtype, cache_reason = choose_cache_dtype(args.kv_cache_dtype, loaded.model)
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    if loaded.model.quantization != "none":
+        dtype += f", {loaded.model.quantization} linear layers"
+    dtype += f", {str(cache_dtype).removeprefix('torch.')} KV cache"
+    chosen = (
+        f"--quantization {args.quantization}: {loaded.model.quantization} "
+        f"({loaded.quantization_reason}); --kv-cache-dtype {args.kv_cache_dtype}: "
+        f"{str(cache_dtype).removeprefix('torch.')} ({cache_reason})"
+    )
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    out = [f"\n## {stamp} — {loaded.name}, {dtype}\n", f"Machine: {machine_line()}.\n"]
+    out = [
+        f"\n## {stamp} — {loaded.name}, {dtype}\n",
+        f"Machine: {machine_line()}.\n",
+        f"Configuration: {chosen}.\n",
+    ]
     raw: dict = {"date": stamp, "machine": machine_line(), "dtype": dtype}
     raw["quantization"], raw["kv_cache_dtype"] = args.quantization, args.kv_cache_dtype
     engine_results = []
@@ -172,6 +190,20 @@ def main(argv: list[str] | None = None) -> int:
             "",
         ]
         raw["engine"] = [r.to_dict() for r in engine_results]
+        if args.baseline != "off" and args.baseline != loaded.model.quantization:
+            print(f"engine benchmark, --quantization {args.baseline}...", flush=True)
+            baseline = load_model(None, DeviceConfig(dtype=args.dtype, quantization=args.baseline))
+            baseline_results = run_engine_bench(
+                baseline, tuple(concurrencies), kv_cache_dtype="model"
+            )
+            del baseline
+            name = f"--quantization {args.baseline}"
+            out += [
+                f"### Engine: this configuration next to `{name}` (same run)\n",
+                format_comparison_table(engine_results, baseline_results, name),
+                "",
+            ]
+            raw["engine_baseline"] = [r.to_dict() for r in baseline_results]
     if "http" in sections:
         print("HTTP benchmark...", flush=True)
         table, results = http_bench(

@@ -50,8 +50,7 @@ from kvserve.core.scheduler import admit_or_enqueue, admit_waiting
 from kvserve.engine.batch import Batch, Sampled, StepOutput
 from kvserve.engine.stream import Delta, Stream, TokenLogprob, Usage
 from kvserve.model import device_thread
-from kvserve.model.kv_cache import KVCache, PoolSize, choose_pool_size
-from kvserve.model.llama import KV_INT8_REQUIREMENTS
+from kvserve.model.kv_cache import KVCache, PoolSize, choose_cache_dtype, choose_pool_size
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.request import (
     EngineError,
@@ -244,11 +243,9 @@ class Engine:
         if config.scheduler.max_model_len is not None:
             model_len = min(model_len, config.scheduler.max_model_len)
         self.max_model_len = model_len
-        cache_dtype = self.loaded.dtype
-        if config.cache.kv_cache_dtype == "int8":
-            if not self.loaded.model.supports_int8_kv_cache:
-                raise ValueError(KV_INT8_REQUIREMENTS)
-            cache_dtype = torch.int8
+        cache_dtype, self.cache_dtype_reason = choose_cache_dtype(
+            config.cache.kv_cache_dtype, self.loaded.model
+        )
         self.pool_size: PoolSize = choose_pool_size(
             self.model_config,
             block_size=config.cache.block_size,
@@ -414,6 +411,16 @@ class Engine:
         return self._requests.get(request_id)
 
     # -- introspection -------------------------------------------------------------------------
+
+    def describe_precision(self) -> str:
+        """One line: what the linear layers and the KV cache run in, and why."""
+        model = self.loaded.model
+        linear = "int8" if model.quantization == "int8" else str(model.dtype).removeprefix("torch.")
+        cache = str(self.kv_cache.kv.dtype).removeprefix("torch.")
+        return (
+            f"precision: linear layers {linear} ({self.loaded.quantization_reason}); "
+            f"KV cache {cache} ({self.cache_dtype_reason})"
+        )
 
     @property
     def num_running(self) -> int:

@@ -146,7 +146,9 @@ def build_metadata(
         decode_lengths=decode_lengths_t,
         decode_mask=decode_mask,
         logits_indices=torch.tensor(logits_rows, dtype=torch.long).to(device, non_blocking=True),
-        chunk_tables=torch.tensor(padded_tables, dtype=torch.long).to(device, non_blocking=True),
+        chunk_tables=torch.tensor(padded_tables, dtype=torch.long)
+        .view(len(padded_tables), width)
+        .to(device, non_blocking=True),
         row_tables=torch.tensor(row_tables, dtype=torch.long).to(device, non_blocking=True),
         row_lengths=(positions_t + 1).to(device, non_blocking=True),
         torch_path=not native,

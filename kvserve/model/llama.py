@@ -25,7 +25,11 @@ TensorSource = Callable[[str], torch.Tensor | None]
 
 KV_INT8_REQUIREMENTS = (
     "--kv-cache-dtype int8 runs on the CPU kernels (needs a C compiler, a CPU with AVX512-VNNI, "
-    "float32 or bfloat16, and a model without q/k norms)"
+    "float32 or bfloat16, and head_dim 64 or 128)"
+)
+INT8_REQUIREMENTS = (
+    "--quantization int8 runs on the CPU kernels (needs a C compiler, a CPU device, "
+    "float32 or bfloat16, and head_dim 64 or 128)"
 )
 
 # Candidates per row whose logits are recomputed in float32 when the weights are bf16/fp16.
@@ -73,8 +77,10 @@ class LlamaModel:
         self.native = native.supports(
             self.device, self.dtype, config.num_heads, config.num_kv_heads, config.head_dim
         )
-        # The fused C layer ops (norms, RoPE + cache write, SiLU) — not for q/k-norm models.
-        self.fused = self.native and not config.qk_norm
+        # The fused C layer ops (norms, RoPE + cache write, SiLU); q/k norms, where the model
+        # has them, run in torch between the qkv product and the RoPE + cache write kernel.
+        self.fused = self.native
+        self.qk_norms = [w.qk_norm for w in layers]
         self._build_rope_tables(config.max_position_embeddings)
         self.quantization = quantization
         self.int8: Int8Weights | None = None
@@ -93,13 +99,12 @@ class LlamaModel:
         """Replace the linear layers by rotated int8 ones (kvserve/model/quant.py). The float
         layer weights are dropped; embeddings and lm_head become their rotated copies."""
         if not self.fused:
-            raise ValueError(
-                "--quantization int8 runs on the CPU kernels (needs a C compiler, a CPU device, "
-                "float32 or bfloat16, and a model without q/k norms)"
-            )
+            raise ValueError(INT8_REQUIREMENTS)
         if not hasattr(torch, "_int_mm"):
             raise ValueError("--quantization int8 needs torch._int_mm (torch >= 2.2)")
         self.int8 = quantize_model(self.config, self.layers, self.norm, self.lm_head)
+        if self.config.qk_norm:
+            self.int8.native_layers = None  # the one-call C driver has no q/k norm step
         self.layers = []
         self.projections = []
         self.head = None  # the int8 head picks candidates; self.lm_head recomputes them
@@ -222,6 +227,15 @@ class LlamaModel:
         """
         if kv_cache.quantized and not self.supports_int8_kv_cache:
             raise ValueError(KV_INT8_REQUIREMENTS)
+        if self.native:
+            # The C kernels trust the indices they are handed: check them once for the step.
+            native.check_step_indices(
+                meta,
+                kv_cache.num_blocks,
+                kv_cache.block_size,
+                self.rope_cos_half.shape[0],
+                token_ids.shape[0],
+            )
         if self.int8 is not None:
             return self._forward_int8(token_ids, meta, kv_cache)
         if self.fused and self.native:
@@ -303,6 +317,11 @@ class LlamaModel:
         )
         q_size, qk_size = cfg.q_size, cfg.q_size + cfg.kv_size
         kv_layer, kv_scales = kv_cache.layer(index), kv_cache.layer_scales(index)
+        qk_norm = self.qk_norms[index]
+        if qk_norm is not None:
+            # qk: [rows, heads + kv_heads, head_dim], normalized per head before RoPE
+            qk = qkv[:, :qk_size].view(rows, heads + kv_heads, head_dim)
+            qk.copy_(F.rms_norm(qk.float(), (head_dim,), None, cfg.rms_norm_eps) * qk_norm)
         native.rope_store(
             qkv,
             meta.positions,
@@ -385,6 +404,8 @@ class LlamaModel:
         """float32 logits of the rows x ([rows, hidden] float32, the rotated residual after the
         last layer): the int8 lm_head picks each row's candidates, recomputed exactly."""
         weights, eps = self.int8, self.config.rms_norm_eps
+        if x.shape[0] == 0:  # a step whose chunks all continue a prompt samples nothing
+            return x.new_empty(0, self.config.vocab_size)
         q, s = native.add_rmsnorm_q8(x, None, None, None, eps)
         head = weights.head
         logits = native.dequantize(head.matmul(q), s, head.scale, None, torch.float32)
@@ -401,6 +422,8 @@ class LlamaModel:
         row are recomputed exactly in float32. Greedy choices and the head of the distribution
         are then as exact as the weights allow, for the cost of a [rows, k] product.
         """
+        if x.shape[0] == 0:  # a step whose chunks all continue a prompt samples nothing
+            return x.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         if self.dtype == torch.float32:
             return F.linear(x, self.lm_head)
         return self._refine(self.head(x.to(self.dtype)).float(), x)

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from kvserve.config import DeviceConfig
-from kvserve.model import device_thread
+from kvserve.model import device_thread, native
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaModel
 from kvserve.model.paths import DEFAULT_MODEL_NAME, default_model_path, resolve_model_path
@@ -65,6 +65,55 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+# Tensor types of float checkpoints (GGUF names and torch's): `auto` keeps their precision.
+FLOAT_TENSOR_TYPES = frozenset(
+    {
+        "F64",
+        "F32",
+        "F16",
+        "BF16",
+        "torch.float64",
+        "torch.float32",
+        "torch.float16",
+        "torch.bfloat16",
+    }
+)
+
+
+def choose_quantization(
+    requested: str,
+    tensor_types: list[str],
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[str, str]:
+    """Resolve `--quantization` to "none" or "int8", with the reason in a few words.
+
+    `auto` picks int8 linear layers when the checkpoint is already quantized (its weights were
+    rounded to 4-8 bits: int8 with a per-row scale loses nothing they still had, see
+    docs/serving.md) and the CPU kernels run this model here. A float checkpoint keeps its
+    precision. Without AVX512-VNNI the int8 products go through torch._int_mm, still faster
+    than float on the CPU (docs/serving.md).
+    """
+    if requested != "auto":
+        return requested, "asked for"
+    quantized = sorted(set(tensor_types) - FLOAT_TENSOR_TYPES)
+    if not quantized:
+        return "none", f"auto: the checkpoint is float ({'/'.join(tensor_types)}), kept as it is"
+    if not native.supports(
+        device, dtype, config.num_heads, config.num_kv_heads, config.head_dim
+    ) or not hasattr(torch, "_int_mm"):
+        return "none", (
+            f"auto: the checkpoint is quantized ({'/'.join(quantized)}) but the CPU kernels do "
+            f"not run it here ({device.type}, {str(dtype).removeprefix('torch.')}, "
+            f"head_dim {config.head_dim})"
+        )
+    product = "AVX512-VNNI" if native.int8_gemm_available() else "torch._int_mm (no AVX512-VNNI)"
+    return "int8", (
+        f"auto: the checkpoint is quantized ({'/'.join(quantized)}); int8 products by {product}"
+    )
+
+
 def configure_threads(num_threads: int | None) -> int:
     """Set torch's intra-op threads (default: every core) and one inter-op thread."""
     threads = num_threads or os.cpu_count() or 1
@@ -110,7 +159,9 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     load_seconds: float
-    quantization: list[str]
+    quantization: list[str]  # the checkpoint's tensor types
+    # What `--quantization` resolved to ("none" | "int8") and why, in a few words.
+    quantization_reason: str = "asked for"
 
     def summary(self) -> str:
         cfg = self.config
@@ -153,6 +204,9 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
         tokenizer = Tokenizer.from_gguf(path, fields=checkpoint.fields)
         name = DEFAULT_MODEL_NAME if path == default_model_path() else path.stem
     config = checkpoint.config
+    quantization, reason = choose_quantization(
+        device_config.quantization, checkpoint.quantization, config, device, dtype
+    )
     with tqdm(
         total=config.num_layers + 2,
         desc=f"loading {path.name}",
@@ -166,7 +220,7 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
             dtype=dtype,
             device=device,
             progress=bar.update,
-            quantization=device_config.quantization,
+            quantization=quantization,
         )
     loaded = LoadedModel(
         model=llama,
@@ -178,6 +232,7 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
         dtype=dtype,
         load_seconds=time.perf_counter() - started,
         quantization=list(checkpoint.quantization),
+        quantization_reason=reason,
     )
     log.info(loaded.summary())
     return loaded

@@ -1,5 +1,11 @@
 """CPU kernels written in C, compiled at first use and called through ctypes.
 
+The C code trusts what it is handed, so every wrapper here checks it first: dimensions, dtypes,
+contiguity and agreement between the arguments' shapes (`KernelInputError`, a ValueError, and
+nothing runs), and a call with zero rows returns its empty result without entering C. The index
+values a step feeds the kernels (positions, cache slots, block tables, lengths) are checked once
+per step by `check_step_indices`, before the first kernel of the step runs.
+
 The C file is small and has no torch headers, so compiling it takes well under a second. The
 shared object is cached under `$KVSERVE_CACHE_DIR` (default `~/.cache/kvserve`) keyed by the
 source, the compiler flags and the CPU's feature flags (it is built with -march=native). When no
@@ -165,6 +171,76 @@ def library() -> ctypes.CDLL | None:
 
 MAX_GROUP = 16
 HEAD_DIMS = (64, 128)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class KernelInputError(ValueError):
+    """A native kernel was handed something it cannot take; the kernel was not called."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise KernelInputError(message)
+
+
+def _tensor(
+    t: torch.Tensor,
+    name: str,
+    ndim: int,
+    dtypes: tuple[torch.dtype, ...],
+    *,
+    shape: tuple[int | None, ...] | None = None,
+    contiguous: bool = True,
+) -> None:
+    """Check a CPU tensor's rank, dtype, contiguity and (where given, None = any) sizes."""
+    _require(isinstance(t, torch.Tensor), f"{name} must be a tensor")
+    _require(t.device.type == "cpu", f"{name} must be on the CPU, not {t.device}")
+    _require(t.dim() == ndim, f"{name} must have {ndim} dimensions, not shape {tuple(t.shape)}")
+    _require(t.dtype in dtypes, f"{name} must be {' or '.join(map(str, dtypes))}, not {t.dtype}")
+    if contiguous:
+        _require(t.is_contiguous(), f"{name} must be contiguous")
+    if shape is not None:
+        for axis, (size, want) in enumerate(zip(t.shape, shape, strict=True)):
+            _require(
+                want is None or size == want,
+                f"{name} has size {size} in dimension {axis}, expected {want}",
+            )
+
+
+def _rows_vector(t: torch.Tensor, name: str, rows: int) -> None:
+    _tensor(t, name, 1, (torch.int64,), shape=(rows,))
+
+
+def _span(t: torch.Tensor, name: str, low: int, high: int) -> None:
+    """Every value of the int64 tensor t lies in [low, high)."""
+    if t.numel() == 0:
+        return
+    lo, hi = torch.aminmax(t)
+    _require(
+        int(lo) >= low and int(hi) < high,
+        f"{name} holds values in [{int(lo)}, {int(hi)}], outside [{low}, {high})",
+    )
+
+
+def check_step_indices(
+    meta, num_blocks: int, block_size: int, max_positions: int, num_rows: int
+) -> None:
+    """Check every index a step hands the kernels (kvserve.model.attention.AttentionMetadata):
+    positions within the RoPE tables, slots within the cache, block-table entries within the
+    pool, each row's table and length within its table. Raises KernelInputError."""
+    _rows_vector(meta.positions, "positions", num_rows)
+    _rows_vector(meta.slot_mapping, "slot mapping", num_rows)
+    _rows_vector(meta.row_tables, "row tables", num_rows)
+    _rows_vector(meta.row_lengths, "row lengths", num_rows)
+    _tensor(meta.chunk_tables, "block tables", 2, (torch.int64,))
+    num_tables, width = meta.chunk_tables.shape
+    _span(meta.positions, "positions", 0, max_positions)
+    _span(meta.slot_mapping, "cache slots", 0, num_blocks * block_size)
+    _span(meta.chunk_tables, "block tables", 0, num_blocks)
+    _span(meta.row_tables, "row tables", 0, num_tables)
+    _span(meta.row_lengths, "row lengths", 1, width * block_size + 1)
+    _tensor(meta.logits_indices, "logits rows", 1, (torch.int64,))
+    _span(meta.logits_indices, "logits rows", 0, num_rows)
 
 
 def supports(
@@ -200,16 +276,35 @@ def paged_attention(
     out: [rows, heads, head_dim] with contiguous heads and head_dim.
     """
     lib = library()
+    _tensor(q, "q", 3, FLOAT_DTYPES, contiguous=False)
     num_rows, num_heads, head_dim = q.shape
+    _require(q.stride(2) == 1 and q.stride(1) == head_dim, "q's heads must be contiguous")
+    _tensor(
+        kv_layer, "kv cache layer", 5, (q.dtype, torch.int8), shape=(2, None, None, None, head_dim)
+    )
     _, num_kv_heads, num_blocks, block_size, _ = kv_layer.shape
-    assert q.stride(2) == 1 and q.stride(1) == head_dim
-    assert out.stride(2) == 1 and out.stride(1) == head_dim
+    _require(
+        num_kv_heads > 0 and num_heads % num_kv_heads == 0,
+        f"{num_heads} heads do not group over {num_kv_heads} KV heads",
+    )
+    _tensor(out, "out", 3, (q.dtype,), shape=(num_rows, num_heads, head_dim), contiguous=False)
+    _require(out.stride(2) == 1 and out.stride(1) == head_dim, "out's heads must be contiguous")
+    _tensor(block_tables, "block tables", 2, (torch.int64,))
+    _rows_vector(lengths, "lengths", num_rows)
+    if row_tables is None:
+        _require(block_tables.shape[0] >= num_rows, "one block table per row is needed")
+    else:
+        _rows_vector(row_tables, "row tables", num_rows)
+    if num_rows == 0:
+        return
     cache = [kv_layer.data_ptr()]
     if kv_scales is not None:
-        assert kv_layer.dtype == torch.int8 and kv_scales.dtype == torch.float32
+        _require(kv_layer.dtype == torch.int8, "an int8 cache goes with its scales")
+        _tensor(kv_scales, "kv scales", 4, (torch.float32,), shape=tuple(kv_layer.shape[:4]))
         name = "kvserve_paged_decode_q8" + _suffix(q)
         cache.append(kv_scales.data_ptr())
     else:
+        _require(kv_layer.dtype == q.dtype, "the cache must be in q's dtype")
         name = "kvserve_paged_decode" + _suffix(q)
     status = getattr(lib, name)(
         q.data_ptr(),
@@ -257,8 +352,15 @@ def add_rmsnorm(
     x: [rows, hidden] float32 contiguous (the residual stream); delta: [rows, hidden] in
     `out_dtype`, contiguous; weight: [hidden] float32.
     """
+    _tensor(x, "x", 2, (torch.float32,))
     rows, hidden = x.shape
+    _require(out_dtype in FLOAT_DTYPES, f"no rmsnorm kernel for {out_dtype}")
+    if delta is not None:
+        _tensor(delta, "delta", 2, (out_dtype,), shape=(rows, hidden))
+    _tensor(weight, "norm weight", 1, (torch.float32,), shape=(hidden,))
     out = torch.empty(rows, hidden, dtype=out_dtype)
+    if rows == 0:
+        return out
     fn = getattr(library(), "kvserve_add_rmsnorm" + _suffix(out))
     fn(
         x.data_ptr(),
@@ -275,8 +377,12 @@ def add_rmsnorm(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up from `[rows, 2 * width]` (gate columns first); returns [rows, width]."""
+    _tensor(gate_up, "gate_up", 2, FLOAT_DTYPES)
     rows, double = gate_up.shape
+    _require(double % 2 == 0, "gate_up must have an even number of columns")
     out = torch.empty(rows, double // 2, dtype=gate_up.dtype)
+    if rows == 0:
+        return out
     fn = getattr(library(), "kvserve_silu_mul" + _suffix(out))
     fn(gate_up.data_ptr(), out.data_ptr(), rows, double // 2, torch.get_num_threads())
     return out
@@ -302,12 +408,30 @@ def rope_store(
     with `kv_scales` [2, kv_heads, num_blocks, block_size] float32 (each K and V row quantized
     with its own scale; see kvserve/model/csrc/kv_int8.c).
     """
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    _tensor(qkv, "qkv", 2, FLOAT_DTYPES, shape=(None, width))
     rows = qkv.shape[0]
+    _rows_vector(positions, "positions", rows)
+    _rows_vector(slots, "slots", rows)
+    for table, name in ((cos_half, "cos table"), (sin_half, "sin table")):
+        _tensor(table, name, 2, (torch.float32,), shape=(None, head_dim // 2))
+    _tensor(
+        kv_layer,
+        "kv cache layer",
+        5,
+        (qkv.dtype, torch.int8),
+        shape=(2, num_kv_heads, None, None, head_dim),
+    )
     num_slots = kv_layer.shape[2] * kv_layer.shape[3]
+    if rows == 0:
+        return
     if kv_scales is not None:
+        _require(kv_layer.dtype == torch.int8, "an int8 cache goes with its scales")
+        _tensor(kv_scales, "kv scales", 4, (torch.float32,), shape=tuple(kv_layer.shape[:4]))
         fn = getattr(library(), "kvserve_rope_store_q8" + _suffix(qkv))
         cache = [kv_layer.data_ptr(), kv_scales.data_ptr()]
     else:
+        _require(kv_layer.dtype == qkv.dtype, "the cache must be in qkv's dtype")
         fn = getattr(library(), "kvserve_rope_store" + _suffix(qkv))
         cache = [kv_layer.data_ptr()]
     fn(
@@ -338,10 +462,13 @@ def kv_int8_available() -> bool:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8 of x: [rows, width] (rows may be strided, width contiguous).
     Returns (q [rows, width] int8, scales [rows] float32) with x ~= q * scales[:, None]."""
+    _tensor(x, "x", 2, FLOAT_DTYPES, contiguous=False)
     rows, width = x.shape
-    assert x.stride(1) == 1
+    _require(x.stride(1) == 1 or width <= 1, "x's rows must be contiguous")
     q = torch.empty(rows, width, dtype=torch.int8)
     scales = torch.empty(rows, dtype=torch.float32)
+    if rows == 0:
+        return q, scales
     fn = getattr(library(), "kvserve_quantize_rows" + _suffix(x))
     fn(
         x.data_ptr(),
@@ -368,11 +495,19 @@ def add_rmsnorm_q8(
     `normalize`, returns the per-row int8 of rmsnorm(x) (no weight) as (q, scales).
 
     x: [rows, hidden] float32 contiguous; acc: [rows, hidden] int32 contiguous."""
+    _tensor(x, "x", 2, (torch.float32,))
     rows, hidden = x.shape
+    if acc is not None:
+        _tensor(acc, "acc", 2, (torch.int32,), shape=(rows, hidden))
+        _require(row_scales is not None and col_scales is not None, "acc needs its scales")
+        _tensor(row_scales, "row scales", 1, (torch.float32,), shape=(rows,))
+        _tensor(col_scales, "column scales", 1, (torch.float32,), shape=(hidden,))
     q = scales = None
     if normalize:
         q = torch.empty(rows, hidden, dtype=torch.int8)
         scales = torch.empty(rows, dtype=torch.float32)
+    if rows == 0:
+        return (q, scales) if normalize else None
     library().kvserve_add_rmsnorm_q8(
         x.data_ptr(),
         _ptr(acc),
@@ -394,11 +529,20 @@ def silu_mul_q8(
     """From the int32 gate|up product `[rows, 2 * width]` (gate columns first) and its scales:
     m = silu(gate) * up, rotated by normalized Walsh-Hadamard blocks of `block` columns (1 = no
     rotation), returned as per-row int8 (q [rows, width], scales [rows])."""
+    _tensor(acc, "acc", 2, (torch.int32,))
     rows, double = acc.shape
     width = double // 2
-    assert block >= 1 and width % block == 0 and block & (block - 1) == 0
+    _require(double % 2 == 0, "the gate|up product must have an even number of columns")
+    _require(
+        block >= 1 and width % block == 0 and block & (block - 1) == 0,
+        f"rotation block {block} must be a power of two dividing {width}",
+    )
+    _tensor(row_scales, "row scales", 1, (torch.float32,), shape=(rows,))
+    _tensor(col_scales, "column scales", 1, (torch.float32,), shape=(double,))
     q = torch.empty(rows, width, dtype=torch.int8)
     scales = torch.empty(rows, dtype=torch.float32)
+    if rows == 0:
+        return q, scales
     library().kvserve_silu_mul_q8(
         acc.data_ptr(),
         row_scales.data_ptr(),
@@ -421,8 +565,16 @@ def dequantize(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """acc * row_scales[:, None] * col_scales + bias, as `dtype` (float32 or bfloat16)."""
+    _tensor(acc, "acc", 2, (torch.int32,))
     rows, cols = acc.shape
+    _require(dtype in FLOAT_DTYPES, f"no dequantize kernel for {dtype}")
+    _tensor(row_scales, "row scales", 1, (torch.float32,), shape=(rows,))
+    _tensor(col_scales, "column scales", 1, (torch.float32,), shape=(cols,))
+    if bias is not None:
+        _tensor(bias, "bias", 1, (torch.float32,), shape=(cols,))
     out = torch.empty(rows, cols, dtype=dtype)
+    if rows == 0:
+        return out
     fn = getattr(library(), "kvserve_dequantize" + _suffix(out))
     fn(
         acc.data_ptr(),
@@ -440,9 +592,12 @@ def dequantize(
 def rotate_rows(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """x @ matrix for x: [rows, n] float32 and matrix: [n, n] float32 (both contiguous), each
     row computed alone in a fixed order: a row's result does not depend on its batch mates."""
+    _tensor(x, "x", 2, (torch.float32,))
     rows, n = x.shape
-    assert matrix.shape == (n, n) and x.is_contiguous() and matrix.is_contiguous()
+    _tensor(matrix, "rotation", 2, (torch.float32,), shape=(n, n))
     out = torch.empty(rows, n, dtype=torch.float32)
+    if rows == 0:
+        return out
     library().kvserve_rotate_rows(
         x.data_ptr(), matrix.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads()
     )
@@ -462,8 +617,9 @@ def pack_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack an int8 weight [n, k] (k a multiple of 4) for `int8_gemm`: returns the panels
     [ceil(n / 64), k / 4, 64, 4] int8 (zero columns past n) and the correction
     128 * sum_k weight[n, k] as int32, padded alike."""
+    _tensor(weight, "weight", 2, (torch.int8,), contiguous=False)
     n, k = weight.shape
-    assert k % 4 == 0
+    _require(k % 4 == 0 and k > 0 and n > 0, f"cannot pack a [{n}, {k}] weight (k % 4 != 0)")
     blocks = -(-n // INT8_BLOCK_COLS)
     padded = torch.zeros(blocks * INT8_BLOCK_COLS, k, dtype=torch.int8)
     padded[:n] = weight
@@ -476,9 +632,15 @@ def int8_gemm(
     q: torch.Tensor, panels: torch.Tensor, correction: torch.Tensor, n: int
 ) -> torch.Tensor:
     """q [rows, k] int8 (contiguous) times the packed weight's transpose: [rows, n] int32."""
+    _tensor(q, "q", 2, (torch.int8,))
     rows, k = q.shape
-    assert q.is_contiguous() and panels.shape[1] * 4 == k
+    blocks = -(-n // INT8_BLOCK_COLS)
+    _tensor(panels, "panels", 4, (torch.int8,), shape=(blocks, k // 4, INT8_BLOCK_COLS, 4))
+    _require(k % 4 == 0 and k > 0, f"the product's inner size {k} must be a positive multiple of 4")
+    _tensor(correction, "correction", 1, (torch.int32,), shape=(blocks * INT8_BLOCK_COLS,))
     out = torch.empty(rows, n, dtype=torch.int32)
+    if rows == 0:
+        return out
     library().kvserve_int8_gemm(
         q.data_ptr(),
         rows,
@@ -495,9 +657,12 @@ def int8_gemm(
 def topk_rows(x: torch.Tensor, k: int) -> torch.Tensor:
     """Columns of the k largest values of each row of x: [rows, n] float32 contiguous, best
     first, the lower column first among equal values. Returns [rows, k] int64. k <= 64."""
+    _tensor(x, "x", 2, (torch.float32,))
     rows, n = x.shape
-    assert x.dtype == torch.float32 and x.is_contiguous() and 0 < k <= min(64, n)
+    _require(0 < k <= min(64, n), f"top-k needs 0 < k <= min(64, {n}), not {k}")
     indices = torch.empty(rows, k, dtype=torch.int64)
+    if rows == 0:
+        return indices
     library().kvserve_topk_rows(
         x.data_ptr(), rows, n, k, indices.data_ptr(), torch.get_num_threads()
     )
@@ -569,10 +734,37 @@ def forward_int8(
     """Run every layer of the int8 path on x ([rows, hidden] float32, in place): see
     kvserve/model/csrc/forward_int8.c. kv: the whole cache ([layers, 2, kv_heads, blocks,
     block_size, head_dim]); kv_scales: its scales for an int8 cache, else None."""
+    _tensor(x, "x", 2, (torch.float32,))
     rows, hidden = x.shape
     num_layers = len(table)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    _require(num_layers > 0 and table[0].o.n == hidden, "the layer table does not fit x")
+    _require(dtype in FLOAT_DTYPES, f"no int8 forward for {dtype}")
+    _tensor(
+        kv,
+        "kv cache",
+        6,
+        (dtype, torch.int8),
+        shape=(num_layers, 2, kv_heads, None, None, head_dim),
+    )
     _, _, _, num_blocks, block_size, _ = kv.shape
+    if kv_scales is not None:
+        _require(kv.dtype == torch.int8, "an int8 cache goes with its scales")
+        _tensor(kv_scales, "kv scales", 5, (torch.float32,), shape=tuple(kv.shape[:5]))
+    else:
+        _require(kv.dtype == dtype, "the cache must be in the model's dtype")
+    for vector, name in (
+        (positions, "positions"),
+        (slots, "slots"),
+        (row_tables, "row tables"),
+        (lengths, "lengths"),
+    ):
+        _rows_vector(vector, name, rows)
+    _tensor(tables, "block tables", 2, (torch.int64,))
+    for half, name in ((cos_half, "cos table"), (sin_half, "sin table")):
+        _tensor(half, name, 2, (torch.float32,), shape=(None, head_dim // 2))
+    if rows == 0:
+        return
     layer_bytes = kv.stride(0) * kv.element_size()
     kv_pointers = (ctypes.c_void_p * num_layers)(
         *(kv.data_ptr() + i * layer_bytes for i in range(num_layers))

@@ -52,11 +52,13 @@ def small_engine_config(
 
 @pytest.fixture(scope="session")
 def server_factory(loaded_default):
-    """`start(engine_config=..., server_config=..., sock=...) -> BackgroundServer`, ready.
+    """`start(engine_config=..., server_config=..., sock=..., loaded=...) -> BackgroundServer`,
+    ready (on the session's default model unless `loaded` names another).
 
     Servers not stopped by the test are stopped when the session ends."""
     from kvserve.engine.engine import Engine
-    from kvserve.server.app import BackgroundServer, create_app
+    from kvserve.server.app import create_app
+    from tests.e2e.harness import BackgroundServer
 
     started: list[BackgroundServer] = []
 
@@ -65,13 +67,13 @@ def server_factory(loaded_default):
         server_config: ServerConfig | None = None,
         *,
         sock: socket.socket | None = None,
+        loaded=None,
     ) -> BackgroundServer:
         config = engine_config or small_engine_config()
+        model = loaded or loaded_default
         app = create_app(
             server_config or ServerConfig(),
-            lambda observer: Engine(
-                config, loaded=loaded_default, observer=observer, record_steps=True
-            ),
+            lambda observer: Engine(config, loaded=model, observer=observer, record_steps=True),
         )
         server = BackgroundServer(app, sock=sock).start()
         started.append(server)

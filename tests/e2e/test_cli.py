@@ -59,8 +59,8 @@ class _Lines:
 
 @pytest.mark.parametrize(
     ("stop_signal", "int8"),
-    [(signal.SIGINT, False), (signal.SIGTERM, True)],
-    ids=["SIGINT", "SIGTERM-int8"],
+    [(signal.SIGINT, True), (signal.SIGTERM, False)],
+    ids=["SIGINT-no-flags", "SIGTERM-quantization-none"],
 )
 def test_serve_subprocess(stop_signal, int8):
     port = _free_port()
@@ -73,8 +73,10 @@ def test_serve_subprocess(stop_signal, int8):
         "KVSERVE_MAX_NUM_SEQS": "2",
         "KVSERVE_DEVICE": "cpu",
     }
-    if int8:  # the fast CPU configuration: int8 linear layers and KV cache
-        env |= {"KVSERVE_QUANTIZATION": "int8", "KVSERVE_KV_CACHE_DTYPE": "int8"}
+    for name in ("KVSERVE_QUANTIZATION", "KVSERVE_KV_CACHE_DTYPE"):
+        env.pop(name, None)
+    if not int8:  # no flags is int8 on a CPU with the kernels; this asks for the float path
+        env |= {"KVSERVE_QUANTIZATION": "none", "KVSERVE_KV_CACHE_DTYPE": "model"}
     process = subprocess.Popen(
         [sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--max-model-len", "1024"],
         stdout=subprocess.PIPE,
@@ -108,6 +110,11 @@ def test_serve_subprocess(stop_signal, int8):
         reply = httpx.post(url + "/v1/chat/completions", json=question, headers=headers, timeout=60)
         assert "Paris" in reply.json()["choices"][0]["message"]["content"]
         assert ("+ int8" in banner) == int8
+        if int8:  # the banner says what auto chose, and why, in one line
+            assert "precision: linear layers int8 (auto: the checkpoint is quantized" in banner
+            assert "KV cache int8 (auto:" in banner
+        else:
+            assert "precision: linear layers bfloat16 (asked for); KV cache bfloat16" in banner
 
         # A stream in flight when the signal arrives ends with an error event and [DONE].
         long = {**payload, "max_tokens": 500, "ignore_eos": True, "stream": True}

@@ -22,7 +22,8 @@ def server(server_factory):
 
 def test_ready_is_503_until_the_model_is_loaded(loaded_default, engine_config):
     from kvserve.engine.engine import Engine
-    from kvserve.server.app import BackgroundServer, create_app
+    from kvserve.server.app import create_app
+    from tests.e2e.harness import BackgroundServer
 
     release = threading.Event()
     config = engine_config()
@@ -53,7 +54,8 @@ def test_ready_is_503_until_the_model_is_loaded(loaded_default, engine_config):
 
 
 def test_a_model_that_fails_to_load_keeps_ready_503():
-    from kvserve.server.app import BackgroundServer, create_app
+    from kvserve.server.app import create_app
+    from tests.e2e.harness import BackgroundServer
 
     failures = []
 

@@ -200,7 +200,7 @@ def test_engine_refuses_int8_cache_for_models_without_the_fused_path(tmp_path, l
     from kvserve.model.safetensors import SafetensorsCheckpoint
     from tests.model.test_safetensors import save_tiny, tiny_config
 
-    save_tiny(tmp_path, tiny_config("qwen3"))  # q/k norms: no fused kernels
+    save_tiny(tmp_path, tiny_config("qwen3"))  # head_dim 32: no C kernels for it
     checkpoint = SafetensorsCheckpoint(tmp_path)
     model = LlamaModel.from_tensors(
         checkpoint.config, checkpoint.get, dtype=torch.float32, device=CPU
@@ -212,6 +212,26 @@ def test_engine_refuses_int8_cache_for_models_without_the_fused_path(tmp_path, l
     cache = KVCache(checkpoint.config, 2, 32, torch.int8, CPU)
     with pytest.raises(ValueError, match="--kv-cache-dtype int8"):
         _all_logits_on(model, cache)
+
+
+@needs_kernels
+def test_qk_norm_model_on_an_int8_cache_follows_its_float_cache(tmp_path):
+    """q/k norms (qwen3) run between the qkv product and the int8 cache write."""
+    from kvserve.model.llama import LlamaModel
+    from kvserve.model.safetensors import SafetensorsCheckpoint
+    from tests.model.test_safetensors import save_tiny, tiny_config
+
+    save_tiny(tmp_path, tiny_config("qwen3", head_dim=64))
+    checkpoint = SafetensorsCheckpoint(tmp_path)
+    model = LlamaModel.from_tensors(
+        checkpoint.config, checkpoint.get, dtype=torch.float32, device=CPU
+    )
+    assert model.supports_int8_kv_cache
+    ids = list(range(3, 70))
+    exact = _all_logits(model, ids)
+    quantized = _all_logits(model, ids, torch.int8)
+    cosine = F.cosine_similarity(exact, quantized, dim=-1)
+    assert float(cosine.min()) > 0.99
 
 
 def _all_logits_on(model, cache):

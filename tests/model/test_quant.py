@@ -281,17 +281,18 @@ def test_int8_model_answers_paris(loaded_int8):
 
 
 @needs_kernels
-def test_int8_model_is_smaller_and_says_so(loaded_default, loaded_int8):
+def test_int8_model_is_smaller_and_says_so(loaded_bf16, loaded_int8):
     assert loaded_int8.model.quantization == "int8"
-    assert loaded_int8.model.num_bytes < loaded_default.model.num_bytes
+    assert loaded_int8.model.num_bytes < loaded_bf16.model.num_bytes
     assert "+ int8" in loaded_int8.summary()
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_int8_tiny_checkpoints_follow_float32(tmp_path, arch):
-    """Other shapes (hidden 128, one KV head, q/k/v biases for qwen2, a 112-wide MLP whose
-    down_proj input rotates in blocks of 16): int8 logits stay close to float32's."""
+    """Other shapes (hidden 128, one KV head, q/k/v biases for qwen2, q/k norms for qwen3, a
+    112-wide MLP whose down_proj input rotates in blocks of 16): int8 logits stay close to
+    float32's."""
     config = tiny_config(
         arch, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64
     )
@@ -316,7 +317,7 @@ def test_int8_tiny_checkpoints_follow_float32(tmp_path, arch):
 
 
 def test_int8_refuses_models_without_the_fused_path(tmp_path):
-    config = tiny_config("qwen3")  # q/k norms: no fused kernels
+    config = tiny_config("qwen3")  # head_dim 32: no C kernels for it
     save_tiny(tmp_path, config)
     checkpoint = SafetensorsCheckpoint(tmp_path)
     with pytest.raises(ValueError, match="--quantization int8"):
@@ -327,6 +328,43 @@ def test_int8_refuses_models_without_the_fused_path(tmp_path):
             device=CPU,
             quantization="int8",
         )
+
+
+@needs_kernels
+def test_auto_picks_int8_for_the_quantized_default_model(loaded_default):
+    """No flags: the default Q4_1 file runs int8 linear layers here, and says why."""
+    assert loaded_default.model.quantization == "int8"
+    assert loaded_default.quantization_reason.startswith("auto: the checkpoint is quantized")
+    assert "Q4_1" in loaded_default.quantization_reason
+
+
+def test_auto_keeps_a_float_checkpoint_float(tmp_path):
+    from kvserve.model.loader import choose_quantization
+
+    save_tiny(tmp_path, tiny_config("llama", head_dim=64, hidden_size=128))
+    checkpoint = SafetensorsCheckpoint(tmp_path)
+    choice, reason = choose_quantization(
+        "auto", checkpoint.quantization, checkpoint.config, CPU, torch.float32
+    )
+    assert choice == "none"
+    assert reason.startswith("auto: the checkpoint is float (")
+
+
+def test_auto_reasons_where_the_cpu_kernels_cannot_run():
+    from kvserve.model.loader import choose_quantization
+    from kvserve.model.safetensors import config_from_json
+
+    config = config_from_json(
+        {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "head_dim": 32, "vocab_size": 100, "max_position_embeddings": 64}
+    )  # fmt: skip
+    choice, reason = choose_quantization("auto", ["F32", "Q4_0"], config, CPU, torch.float32)
+    assert choice == "none" and "head_dim 32" in reason  # the kernels take 64 and 128
+    assert choose_quantization("none", ["Q4_0"], config, CPU, torch.float32) == (
+        "none",
+        "asked for",
+    )
 
 
 def test_unknown_quantization_is_refused():
@@ -345,7 +383,7 @@ def test_cli_flag_reaches_the_device_config():
     add_engine_arguments(parser)
     args = parser.parse_args(["--quantization", "int8"])
     assert engine_config_from_args(args).device.quantization == "int8"
-    assert engine_config_from_args(parser.parse_args([])).device.quantization == "none"
+    assert engine_config_from_args(parser.parse_args([])).device.quantization == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int4"])
 

@@ -93,6 +93,7 @@ CASES = {
     "mistral": ("mistral", {"sliding_window": None}),
     "qwen2-bias": ("qwen2", {}),
     "qwen3-qk-norm": ("qwen3", {}),
+    "qwen3-qk-norm-c-kernels": ("qwen3", {"head_dim": 64}),
 }
 
 

@@ -121,6 +121,7 @@ int kvserve_forward_int8(float *x, int64_t rows, const kvserve_int8_layer *layer
                          const int64_t *row_tables, const int64_t *lengths, int64_t num_blocks,
                          int64_t block_size, int8_t *q8, float *scales_a, float *scales_b,
                          int32_t *acc, void *qkv, void *attn, int nt) {
+    if (rows <= 0 || num_layers <= 0) return 0;
     const int64_t hidden = layers[0].o.n;
     float *s = scales_a, *next = scales_b, *swap;
     kvserve_add_rmsnorm_q8(x, NULL, NULL, NULL, q8, s, rows, hidden, eps, nt);

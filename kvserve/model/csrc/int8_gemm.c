@@ -66,6 +66,9 @@ int kvserve_int8_gemm_available(void) { return 1; }
 
 void kvserve_int8_gemm(const int8_t *a, int64_t rows, int64_t k, const int8_t *packed,
                        const int32_t *correction, int64_t n, int32_t *c, int num_threads) {
+    /* Nothing to compute (a step whose rows need no logits hands in zero rows): the chunk
+     * arithmetic below would divide by zero. */
+    if (rows <= 0 || n <= 0 || k <= 0) return;
     const int64_t blocks = (n + BLOCK_COLS - 1) / BLOCK_COLS, steps = k / 4;
     /* Tasks are (column block, row chunk): with an odd number of blocks (576 columns are 9) the
      * rows are cut in two as well, so that two threads get equal shares. */

@@ -1,0 +1,406 @@
+"""The generation core: one request lifecycle for every dialect of the HTTP API.
+
+A dialect turns its request into prompt ids, SamplingParams and a `Rendering`; the core does the
+rest, the same way for all of them. A request's status code is decided before its first byte
+goes out: the engine refuses it at `submit` (400 impossible, 429 queue full) or while it waits
+for a slot (429 wait expired), and only once `stream.admitted()` returns does a 200 (and, when
+streaming, the first SSE event) go out. A client that leaves (while queued, while generating,
+while streaming) has its engine request cancelled and is logged and counted as 499, never as a
+server error. Errors after a stream began go out as the dialect's error event.
+
+Every engine call happens on the event loop thread, as the engine requires; tokenizing runs in
+worker threads so a long prompt does not hold up other requests' streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import Response
+
+from kvserve.config import ServerConfig
+from kvserve.engine.engine import Engine, EngineObserver
+from kvserve.engine.stream import Delta, Stream
+from kvserve.request import EngineError, GenerationRequest, RequestCancelled
+from kvserve.sampling import SamplingParams
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import APIError, ModelT, dumps, parse_request, refused_fields
+from kvserve.server.sse import ClientGone, DisconnectWatcher, EventStreamResponse
+
+__all__ = [
+    "GOOD_ENDINGS",
+    "EngineFactory",
+    "ErrorShape",
+    "Exchange",
+    "Rendering",
+    "ServerState",
+    "in_thread",
+    "json_response",
+]
+
+log = logging.getLogger("kvserve.server")
+
+T = TypeVar("T")
+
+GOOD_ENDINGS = frozenset({"stop", "length"})
+"""Finish reasons that end an answer normally; any other is an error for the client."""
+
+EngineFactory = Callable[[EngineObserver], Engine]
+"""Builds the engine (loading the model) given the app's metrics observer; runs in a thread."""
+
+ErrorShape = Callable[[APIError], dict[str, Any]]
+"""A dialect's error body for an APIError."""
+
+FieldPolicy = Callable[[Mapping[str, Any]], tuple[list[str], APIError | None]]
+"""Sorts a request's extra fields: (ignored names, the error for the first refused one)."""
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What one HTTP request did: the facts of its access-log line and HTTP counters."""
+
+    request_id: str
+    method: str
+    path: str
+    started: float
+    status: int | None = None  # as sent, or 499 once the client is known to be gone
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+    ignored_fields: tuple[str, ...] = ()
+
+    def saw_tokens(self, delta: Delta) -> None:
+        if delta.token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+
+    def log_line(self, duration: float) -> str:
+        ttft = "-" if self.first_token_at is None else f"{self.first_token_at - self.started:.3f}s"
+        return (
+            f"{self.request_id} {self.method} {self.path} {self.status} "
+            f"prompt_tokens={_or_dash(self.prompt_tokens)} "
+            f"completion_tokens={_or_dash(self.completion_tokens)} ttft={ttft} "
+            f"duration={duration:.3f}s finish={_or_dash(self.finish_reason)}"
+        )
+
+
+def _or_dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def json_response(
+    body: Any, status: int = 200, headers: Mapping[str, str] | None = None
+) -> Response:
+    """A JSON response (compact, UTF-8)."""
+    return Response(dumps(body), status, headers=headers, media_type="application/json")
+
+
+async def in_thread(function: Callable[[], T]) -> T:
+    """Run blocking work (tokenizing, templates) off the event loop."""
+    return await asyncio.to_thread(function)
+
+
+class Rendering(Protocol):
+    """One request's answer in one dialect. Streaming: `head` once admitted, `frames` per
+    delta, then `tail` (the stop reason and usage, and the end of the stream) or `error_tail`;
+    each returns ready SSE text, possibly empty. Not streaming: `add` per delta, then
+    `response`."""
+
+    def head(self) -> str: ...
+
+    def frames(self, delta: Delta) -> str: ...
+
+    def tail(self, final: Delta) -> str: ...
+
+    def error_tail(self, error: APIError) -> str: ...
+
+    def add(self, delta: Delta) -> None: ...
+
+    def response(self, final: Delta) -> dict[str, Any]: ...
+
+
+class ServerState:
+    """Everything the routes share: config, metrics, the engine once it is loaded, and the
+    one generation lifecycle."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine_factory: EngineFactory,
+        *,
+        on_ready: Callable[[Engine], None] | None = None,
+        on_load_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.engine: Engine | None = None
+        self.load_error: BaseException | None = None
+        self.model_name: str | None = config.served_model_name
+        self.created = int(time.time())
+        self.error_shapes: dict[str, ErrorShape] = {}
+        self._engine_factory = engine_factory
+        self._on_ready = on_ready
+        self._on_load_error = on_load_error
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.running
+
+    async def load(self) -> None:
+        """Build the engine in a daemon thread (the model load takes seconds, and a server
+        stopped meanwhile must not wait for it), then start it on this loop."""
+        loop = asyncio.get_running_loop()
+        built: asyncio.Future[Engine] = loop.create_future()
+
+        def settle(result: Engine | None, error: BaseException | None) -> None:
+            if built.done():
+                return
+            if error is not None:
+                built.set_exception(error)
+            else:
+                built.set_result(result)
+
+        def build() -> None:
+            try:
+                engine, error = self._engine_factory(self.metrics), None
+            except BaseException as exc:  # reported on the loop, whatever it was
+                engine, error = None, exc
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(settle, engine, error)
+
+        threading.Thread(target=build, name="kvserve-load", daemon=True).start()
+        try:
+            engine = await built
+            await engine.start()
+        except Exception as exc:
+            log.exception("the model could not be loaded")
+            self.load_error = exc
+            if self._on_load_error is not None:
+                self._on_load_error(exc)
+            return
+        self.metrics.bind(engine)
+        if self.model_name is None:
+            self.model_name = engine.loaded.name
+        self.engine = engine
+        if self._on_ready is not None:
+            self._on_ready(engine)
+
+    async def stop(self) -> None:
+        """End every request (finish reason "shutdown") and stop the engine. Idempotent."""
+        if self.engine is not None:
+            await self.engine.stop()
+
+    def require_engine(self) -> Engine:
+        if self.engine is None:
+            if self.load_error is not None:
+                raise APIError(503, f"the model failed to load: {self.load_error}")
+            raise APIError(503, "the model is still loading; GET /ready answers 200 once loaded")
+        return self.engine
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def accept_extras(
+        self, body: BaseModel, exchange: Exchange, policy: FieldPolicy = refused_fields
+    ) -> None:
+        """Refuse extras that would change the answer; report and count the rest."""
+        extras = body.model_extra or {}
+        if not extras:
+            return
+        ignored, error = policy(extras)
+        if error is not None:
+            raise error
+        exchange.ignored_fields = tuple(ignored)
+        self.metrics.observe_ignored_fields(ignored)
+
+    async def accept(
+        self, request: Request, model: type[ModelT], policy: FieldPolicy = refused_fields
+    ) -> tuple[Exchange, Engine, ModelT]:
+        """The common start of every API handler: a loaded engine, a valid body for a served
+        model, its harmless unknown fields recorded."""
+        exchange = exchange_of(request)
+        engine = self.require_engine()
+        body = parse_request(model, await request.body())
+        self.check_model(getattr(body, "model", None))
+        self.accept_extras(body, exchange, policy)
+        return exchange, engine, body
+
+    def error_body(self, path: str, error: APIError) -> dict[str, Any]:
+        """The error body in the dialect that serves `path` (OpenAI's elsewhere)."""
+        shape = self.error_shapes.get(path)
+        return shape(error) if shape is not None else error.body()
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request: Request,
+        exchange: Exchange,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rendering: Rendering,
+        *,
+        stream: bool,
+        param_names: Mapping[str, str] = {},
+        cache_salt: str | None = None,
+    ) -> Response:
+        """Submit, wait for a slot while watching the client, then answer or stream.
+
+        `param_names` renames the engine's parameters ("prompt", "max_tokens") to the fields
+        this request used, for the errors that name them. `cache_salt` isolates the request's
+        tenant in the prefix cache."""
+        engine = self.require_engine()
+        request_id = exchange.request_id
+        exchange.prompt_tokens = len(prompt_ids)
+        try:
+            submitted = engine.submit(
+                GenerationRequest(
+                    tuple(prompt_ids),
+                    params,
+                    request_id=request_id,
+                    arrival_time=exchange.started,
+                    cache_salt=cache_salt,
+                )
+            )
+        except EngineError as exc:
+            raise APIError.from_engine(exc, param_names=param_names) from None
+        watcher = DisconnectWatcher(request.receive)
+        handed_over = False
+        try:
+            try:
+                await watcher.race(submitted.admitted())
+            except ClientGone:
+                return _client_gone(exchange)
+            except RequestCancelled:
+                return _client_gone(exchange)
+            except EngineError as exc:
+                raise APIError.from_engine(exc, param_names=param_names) from None
+            if stream:
+                handed_over = True
+
+                def gone() -> None:
+                    exchange.status = 499
+
+                return EventStreamResponse(
+                    self._frames(engine, submitted, rendering, exchange),
+                    watcher,
+                    on_client_gone=gone,
+                )
+            try:
+                final = await watcher.race(_collect(submitted, rendering, exchange))
+            except ClientGone:
+                return _client_gone(exchange)
+            if final.finish_reason not in GOOD_ENDINGS:
+                raise _ended_early(final, param_names)
+            return json_response(rendering.response(final))
+        finally:
+            if not handed_over:
+                watcher.stop()
+                engine.cancel(request_id)  # a no-op once it ended; frees it if it did not
+
+    async def _frames(
+        self, engine: Engine, stream: Stream, rendering: Rendering, exchange: Exchange
+    ) -> AsyncIterator[bytes]:
+        """SSE frames for one request: deltas already waiting go out in one write, each still
+        its own event."""
+        try:
+            head = rendering.head()
+            if head:
+                yield head.encode()
+            while True:
+                deltas = [await anext(stream), *stream.drain_ready()]
+                parts: list[str] = []
+                final: Delta | None = None
+                for delta in deltas:
+                    exchange.saw_tokens(delta)
+                    if delta.finished:
+                        final = delta
+                        break
+                    parts.append(rendering.frames(delta))
+                if final is not None:
+                    _record_end(exchange, final)
+                    if final.finish_reason in GOOD_ENDINGS:
+                        parts.append(rendering.tail(final))
+                    else:
+                        parts.append(rendering.error_tail(_stream_error(final)))
+                    yield "".join(parts).encode()
+                    return
+                text = "".join(parts)
+                if text:
+                    yield text.encode()
+        except Exception:
+            # The 200 is out: the only way left to tell the client is an error event.
+            log.exception("%s: streaming failed", exchange.request_id)
+            yield rendering.error_tail(APIError(500, "internal error while streaming")).encode()
+        finally:
+            if exchange.finish_reason is None:
+                # A writer stuck on a client that stopped reading never saw the end the
+                # engine delivered (slow_consumer); record it for the log.
+                for delta in stream.drain_ready():
+                    if delta.finished:
+                        _record_end(exchange, delta)
+            engine.cancel(exchange.request_id)
+
+
+def exchange_of(request: Request) -> Exchange:
+    """The Exchange the middleware opened for this request."""
+    return request.scope["state"]["exchange"]
+
+
+async def _collect(stream: Stream, rendering: Rendering, exchange: Exchange) -> Delta:
+    async for delta in stream:
+        exchange.saw_tokens(delta)
+        rendering.add(delta)
+        if delta.finished:
+            _record_end(exchange, delta)
+            return delta
+    raise RuntimeError("the stream ended without a final delta")
+
+
+def _record_end(exchange: Exchange, final: Delta) -> None:
+    exchange.finish_reason = final.finish_reason
+    if final.usage is not None:
+        exchange.completion_tokens = final.usage.completion_tokens
+
+
+def _client_gone(exchange: Exchange) -> Response:
+    # Nobody reads this; it only marks the exchange for the log and the counters.
+    exchange.status = 499
+    return Response(status_code=499)
+
+
+def _ended_early(final: Delta, param_names: Mapping[str, str]) -> APIError:
+    if final.error is not None:
+        return APIError.from_engine(final.error, param_names=param_names)
+    return APIError(
+        500, f"the request ended early ({final.finish_reason})", code=final.finish_reason
+    )
+
+
+def _stream_error(final: Delta) -> APIError:
+    if final.finish_reason == "slow_consumer":
+        return APIError(
+            429,
+            "the client read the stream too slowly and was dropped",
+            code="slow_consumer",
+        )
+    if final.error is not None:
+        return APIError.from_engine(final.error)
+    return APIError(
+        500, f"the request ended early ({final.finish_reason})", code=final.finish_reason
+    )

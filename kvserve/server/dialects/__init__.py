@@ -1,0 +1,9 @@
+"""The HTTP API's dialects, one module each: its request models, validation, error shape and
+renderer, over the one generation core (`kvserve.server.core`).
+
+    openai_chat          POST /v1/chat/completions
+    openai_completions   POST /v1/completions
+    tokenize             POST /tokenize, POST /detokenize (vLLM's)
+
+`openai` holds what the two OpenAI dialects share (request models, sampling parameters).
+"""
