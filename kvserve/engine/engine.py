@@ -489,7 +489,13 @@ class Engine:
             self.scheduler.abort(plan)
             self._fail(plan, exc)
             return True
-        sampled = {seq_id: s.token_id for seq_id, s in output.sampled.items()}
+        # A request whose cancel is pending ends at this boundary: its last token is neither
+        # delivered nor kept (nor counted in its usage).
+        sampled = {
+            seq_id: s.token_id
+            for seq_id, s in output.sampled.items()
+            if seq_id in self._choices and self._choices[seq_id][0].cancel_reason is None
+        }
         self.scheduler.update_from_output(plan, sampled)
         self.num_steps += 1
         self._deliver(plan, output)
