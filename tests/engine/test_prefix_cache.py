@@ -165,3 +165,21 @@ def test_n_answers_reserve_all_or_nothing_and_a_cancel_ends_all(loaded_fp32):
         return deltas[-1].finish_reason, engine.is_idle()
 
     assert run_engine(loaded_fp32, config, body) == ("cancelled", True)
+
+
+def test_offline_api_returns_n_outputs_with_summed_usage(loaded_fp32):
+    from kvserve.engine.llm import LLM
+    from kvserve.sampling import SamplingParams
+
+    ids = words(loaded_fp32.tokenizer, 30, 11)
+    params = SamplingParams(max_tokens=4, temperature=0.8, seed=3, n=2, ignore_eos=True)
+    with LLM(config=make_config(slots=2, blocks=32, max_model_len=256), loaded=loaded_fp32) as llm:
+        (result,) = llm.generate([ids], params)
+        (alone,) = llm.generate(
+            [ids], SamplingParams(max_tokens=4, temperature=0.8, seed=4, ignore_eos=True)
+        )
+    assert [o.index for o in result.outputs] == [0, 1]
+    assert all(len(o.token_ids) == 4 and o.finish_reason == "length" for o in result.outputs)
+    assert result.token_ids == result.outputs[0].token_ids
+    assert result.usage.completion_tokens == 8
+    assert result.outputs[1].token_ids == alone.token_ids  # answer 1 draws from seed + 1
