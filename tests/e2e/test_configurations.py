@@ -52,7 +52,7 @@ def completion(server, prompt, **fields) -> httpx.Response:
 
 def test_every_prompt_length_is_answered(server):
     engine = server.state.engine
-    assert server.call(lambda: engine.kv_cache.kv.dtype).is_floating_point() == (
+    assert server.call(lambda: engine.kv_cache.kv.dtype).is_floating_point == (
         server.configuration.kv_cache_dtype != "int8"
     )
     with ThreadPoolExecutor(len(PROMPT_LENGTHS)) as pool:
