@@ -41,6 +41,8 @@ test: install browser
 bench: install
 	# The default configuration (--quantization auto), its engine next to --quantization none.
 	$(PY) -m kvserve.bench.run $(ARGS)
+	# Perplexity and next-token agreement of every configuration (kvserve/bench/quality.py).
+	$(PY) -m kvserve.bench.quality --output docs/benchmarks.md
 
 lint: install
 	$(VENV)/bin/ruff check kvserve tests

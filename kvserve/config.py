@@ -159,3 +159,4 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     log_level: str = "info"
+    tool_call_parser: str | None = None  # None = chosen by chat-template family

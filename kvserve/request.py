@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from kvserve.sampling import SamplingParams
+from kvserve.params import SamplingParams
 
 _ids = itertools.count()
 
@@ -28,6 +28,12 @@ class GenerationRequest:
     request_id: str = field(default_factory=new_request_id)
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether every prompt row must be computed for its logits (prompt log-probabilities
+        were asked for): such a prompt's KV may not be taken from a cache in place of them."""
+        return self.params.prompt_logprobs is not None
 
 
 class EngineError(Exception):

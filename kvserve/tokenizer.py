@@ -6,7 +6,9 @@ metadata (`Tokenizer.from_gguf`) or from a Hugging Face model directory (`Tokeni
 Three rules hold throughout:
 
 - `encode` treats its input as plain text: a user typing `<|im_start|>` gets the tokens of those
-  characters, never the control token.
+  characters, never the control token. Only a raw prompt, which the caller templated itself,
+  is encoded with `parse_special=True`: control-token spellings become control tokens there,
+  as transformers' tokenizer (and vLLM, llama.cpp's server) parse them.
 - `encode_chat` lets only the chat template produce control tokens; text that came from the
   messages is encoded as plain text, even where it spells a control token.
 - `IncrementalDetokenizer` emits only whole UTF-8 characters, holds back text that may still
@@ -328,6 +330,11 @@ class Tokenizer:
                 "only byte-level BPE tokenizers are supported; this one decodes with "
                 f"{type(backend.decoder).__name__} (SentencePiece-style vocabularies are not)"
             )
+        # A second backend, identical but for matching special tokens in its input, encodes raw
+        # prompts (`parse_special=True`); the flag is per backend, and instances are shared
+        # between threads, so it is never toggled.
+        self._parsing_backend = Backend.from_str(backend.to_str())
+        self._parsing_backend.encode_special_tokens = False
         # Plain-text encoding: special tokens in the input are never matched.
         backend.encode_special_tokens = True
         self._backend = backend
@@ -531,11 +538,21 @@ class Tokenizer:
         """Whether the model expects a BOS token before a plain prompt."""
         return self._add_bos
 
+    def backend_json(self) -> str:
+        """The vocabulary as a Hugging Face `tokenizer.json` text (grammar engines read it)."""
+        return self._backend.to_str()
+
     # --- text <-> ids ---------------------------------------------------------------------
 
-    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
-        """The ids of `text` as plain text; with `add_bos`, the BOS token first."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, add_bos: bool = False, parse_special: bool = False) -> list[int]:
+        """The ids of `text` as plain text; with `add_bos`, the BOS token first.
+
+        With `parse_special`, spellings of the vocabulary's control tokens become those tokens,
+        as transformers' tokenizer does by default: for raw prompts a client templated itself,
+        never for text that came from chat messages.
+        """
+        backend = self._parsing_backend if parse_special else self._backend
+        ids = backend.encode(text, add_special_tokens=False).ids
         if add_bos:
             if self._bos_token_id is None:
                 raise ValueError("this vocabulary has no BOS token")

@@ -20,11 +20,12 @@ def model_path():
 
 @pytest.fixture(scope="session")
 def loaded_fp32():
-    """The default model in float32 (exact comparisons)."""
+    """The default model in float32 with float linear layers (exact comparisons): `auto` would
+    pick int8 linear layers for this quantized checkpoint."""
     from kvserve.config import DeviceConfig
     from kvserve.model.loader import load_model
 
-    return load_model(None, DeviceConfig(device="cpu", dtype="float32"))
+    return load_model(None, DeviceConfig(device="cpu", dtype="float32", quantization="none"))
 
 
 @pytest.fixture(scope="session")

@@ -243,6 +243,30 @@ def test_special_token_look_alikes_are_plain_text(tok, hf_ref):
     assert tok.decode(ids) == text
 
 
+def test_raw_prompts_parse_control_tokens_as_transformers_does(tok, hf_ref):
+    # A raw prompt the client templated itself: transformers' default mode is the reference.
+    mismatches = [
+        s
+        for s in STRINGS
+        if tok.encode(s, parse_special=True) != hf_ref(s, add_special_tokens=False)["input_ids"]
+    ]
+    assert mismatches == []
+    templated = (
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tok.encode(templated, parse_special=True)
+    im_start = hf_ref.convert_tokens_to_ids("<|im_start|>")
+    assert ids.count(im_start) == 2
+    assert (
+        ids
+        == tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])[
+            -len(ids) :
+        ]
+    )
+    # Plain encoding of the same text is unchanged by the parsing one (separate backends).
+    assert not set(tok.encode(templated)) & tok.special_token_ids
+
+
 def test_add_bos(tok):
     assert tok.add_bos is False  # the GGUF says so
     assert tok.encode("hi", add_bos=True) == [tok.bos_token_id, *tok.encode("hi")]

@@ -20,8 +20,8 @@ from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine import Engine
 from kvserve.model import device_thread
 from kvserve.model.loader import LoadedModel
+from kvserve.params import SamplingParams
 from kvserve.request import GenerationRequest
-from kvserve.sampling import SamplingParams
 
 
 @dataclass

@@ -92,6 +92,7 @@ class BenchConfig:
     warmup: int = 0  # requests sent and discarded before measuring
     timeout: float = 3600.0  # seconds a reply may stay silent (connecting: at most 60)
     api_key: str | None = None
+    response_format: dict[str, Any] | None = None  # sent as is: constrains every answer
 
     def __post_init__(self) -> None:
         try:
@@ -320,6 +321,8 @@ def request_body(config: BenchConfig, model: str, prompt: str) -> dict[str, Any]
     if config.ignore_eos:
         # Not in OpenAI's API; vLLM, llama.cpp and kvserve read it as an extra body field.
         body["ignore_eos"] = True
+    if config.response_format is not None:
+        body["response_format"] = config.response_format
     return body
 
 

@@ -51,10 +51,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Every answer under this schema is longer than the benchmark's 128 output tokens (at least 100
+# notes), so constrained and free requests produce the same number of tokens; its masks mix
+# free strings, enums and bounded integers.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "notes": {
+            "type": "array",
+            "minItems": 100,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "day": {"type": "integer", "minimum": 1, "maximum": 31},
+                    "text": {"type": "string", "maxLength": 60},
+                },
+                "required": ["day", "text"],
+            },
+        },
+    },
+    "required": ["title", "tags", "notes"],
+}
+BENCH_FORMAT = {"type": "json_schema", "json_schema": {"name": "notes", "schema": BENCH_SCHEMA}}
+CONSTRAINED_CONCURRENCIES = (8, 32)
+"""Where `make bench` also measures every request constrained by `BENCH_SCHEMA`."""
+
+
 def http_bench(
     concurrencies: list[int], dtype: str, quantization: str = "none", kv_cache_dtype: str = "auto"
 ) -> tuple[str, list]:
-    """Start `kvserve serve` on a free loopback port and load it with the load generator."""
+    """Start `kvserve serve` on a free loopback port and load it with the load generator; at
+    the `CONSTRAINED_CONCURRENCIES` also with every request JSON-schema constrained (the
+    constrained results are the ones whose `config.response_format` is set)."""
     from kvserve.bench.loadgen import BenchConfig, format_table, run_benchmark
 
     port = free_port()
@@ -93,7 +123,9 @@ def http_bench(
         else:
             raise RuntimeError("server did not become ready")
         results = []
-        for concurrency in concurrencies:
+        runs = [(c, None) for c in concurrencies]
+        runs += [(c, BENCH_FORMAT) for c in concurrencies if c in CONSTRAINED_CONCURRENCIES]
+        for concurrency, response_format in runs:
             config = BenchConfig(
                 url=url,
                 concurrency=concurrency,
@@ -103,11 +135,17 @@ def http_bench(
                 endpoint="completions",
                 ignore_eos=True,
                 warmup=1,
+                response_format=response_format,
             )
             result = asyncio.run(run_benchmark(config))
-            print(f"  HTTP C={concurrency}: {result.output_throughput:.0f} out tok/s", flush=True)
+            label = " JSON-schema constrained" if response_format else ""
+            print(
+                f"  HTTP C={concurrency}{label}: {result.output_throughput:.0f} out tok/s",
+                flush=True,
+            )
             results.append(result)
-        return format_table(results), results
+        free = [r for r in results if r.config.response_format is None]
+        return format_table(free), results
     finally:
         server.terminate()
         try:
@@ -221,7 +259,17 @@ def main(argv: list[str] | None = None) -> int:
         ]
         raw["http"] = [r.to_dict() | {"records": None} for r in results]
         by_c = {r.concurrency: r for r in engine_results}
+        free = {r.config.concurrency: r for r in results if r.config.response_format is None}
         for r in results:
+            if r.config.response_format is not None:
+                base = free[r.config.concurrency]
+                out.append(
+                    f"JSON-schema constrained/free at {r.config.concurrency} concurrent: "
+                    f"{r.output_throughput / base.output_throughput:.0%} "
+                    f"({r.output_throughput:.0f} / {base.output_throughput:.0f} out tok/s, "
+                    f"{r.num_completed} / {base.num_completed} requests completed).  "
+                )
+                continue
             engine = by_c.get(r.config.concurrency)
             if engine is not None:
                 out.append(

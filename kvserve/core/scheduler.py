@@ -78,6 +78,9 @@ class Prompt:
     token_ids: tuple[int, ...] = ()
     salt: str | None = None
     n: int = 1
+    # False when every prompt row must be computed (its logits are wanted, e.g. for prompt
+    # log-probabilities): cached blocks never stand in for them. Its blocks are still published.
+    reuse: bool = True
 
 
 @dataclass(slots=True)
@@ -290,7 +293,7 @@ class Scheduler:
 
     def _prefix_hits(self, num_prompt_tokens: int, prompt: Prompt | None) -> list[int]:
         """Cached blocks the prompt can reuse: whole blocks, leaving its last token to compute."""
-        if prompt is None or len(prompt.token_ids) != num_prompt_tokens:
+        if prompt is None or not prompt.reuse or len(prompt.token_ids) != num_prompt_tokens:
             return []
         if self._pool.cache is None:
             return []

@@ -3,21 +3,28 @@
 It never decides who runs; the Scheduler did. Given the plan (which carries every row's input
 token id, built on the loop thread) and the row states of the sequences that sample, it runs the
 plan's block copies, builds the flat inputs (token ids, positions, slots, block tables), runs the
-model, and samples one token for every sequence sampling from a chunk's last row.
+model, and samples one token for every sequence sampling from a chunk's last row. A prefill
+chunk whose prompt is to be scored (prompt log-probabilities) has logits computed for every
+row, and each prompt token they predict is scored.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from kvserve.core.plan import StepPlan
+from kvserve.engine.prompt_logprobs import score_rows
+from kvserve.engine.sampler import RowState, Sampler
+from kvserve.engine.stream import TokenLogprob
 from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.llama import LlamaModel
-from kvserve.sampling import RowState, Sampler
+
+ScoredPrompts = Mapping[str, tuple[Sequence[int], int]]
+"""Sequences whose prefill chunks score their prompt: id -> (prompt token ids, alternatives)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +36,21 @@ class Sampled:
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    sampled: dict[str, Sampled]  # request_id -> the token its sampling chunk produced
+    sampled: dict[str, Sampled]  # sequence id -> the token it sampled
     num_rows: int
+    # sequence id -> the prompt tokens this step's rows predicted (positions chunk.start + 1
+    # onwards, in order), for the chunks of `scored` prompts
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Scoring:
+    """Which logits rows score which prompt tokens, in a step with scored prefill chunks."""
+
+    logits_rows: list[int]  # flat batch rows whose logits the model returns
+    sample_rows: list[int]  # positions in those logits of the sampling chunks' rows
+    # (sequence id, position in the logits of its first row, the tokens predicted, top count)
+    chunks: list[tuple[str, int, Sequence[int], int]]
 
 
 class Batch:
@@ -66,16 +86,33 @@ class Batch:
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         return ids, sampling_ids, states, logits_rows
 
-    def execute(self, plan: StepPlan, rows: Mapping[str, RowState]) -> StepOutput:
+    def execute(
+        self, plan: StepPlan, rows: Mapping[str, RowState], scored: ScoredPrompts | None = None
+    ) -> StepOutput:
         """The plan's block copies, one forward pass over its rows, then one sample per
-        sampling sequence (`rows`: its row state, by sequence id)."""
+        sampling sequence (`rows`: its row state, by sequence id). The prefill chunks of the
+        `scored` sequences also score the prompt tokens their rows predict."""
         for copy in plan.copies:
             self.kv_cache.copy_block(copy.source, copy.target)
         if plan.num_rows == 0:
             return StepOutput({}, 0)
         token_ids, sampling_ids, states, logits_rows = self.inputs(plan, rows)
         meta = build_metadata(plan.chunks, self.block_size, self.device, native=self.model.native)
+        scoring = _scoring(plan, scored) if scored else None
+        if scoring is not None:
+            meta.logits_indices = torch.tensor(
+                scoring.logits_rows, dtype=torch.long, device=self.device
+            )
         logits = self.model.forward(token_ids, meta, self.kv_cache)
+        prompt_logprobs: dict[str, list[TokenLogprob]] = {}
+        if scoring is not None:
+            for seq_id, first, targets, num_top in scoring.chunks:
+                prompt_logprobs[seq_id] = score_rows(
+                    logits[first : first + len(targets)], targets, num_top
+                )
+            logits = logits[
+                torch.tensor(scoring.sample_rows, dtype=torch.long, device=logits.device)
+            ]
         if len(logits_rows) != logits.shape[0]:
             # logits: [sampling chunks, vocab] -> [sampling sequences, vocab]
             index = torch.tensor(logits_rows, dtype=torch.long, device=logits.device)
@@ -87,4 +124,30 @@ class Batch:
                 sampling_ids, result.token_ids, result.logprobs, result.top_logprobs, strict=True
             )
         }
-        return StepOutput(sampled, plan.num_rows)
+        return StepOutput(sampled, plan.num_rows, prompt_logprobs)
+
+
+def _scoring(plan: StepPlan, scored: ScoredPrompts) -> _Scoring | None:
+    """The logits rows of a step where some prefill chunk scores its prompt; None (only the
+    sampling rows, the usual case) when none does."""
+    wanted = [chunk.is_prefill and chunk.request_id in scored for chunk in plan.chunks]
+    if not any(wanted):
+        return None
+    scoring = _Scoring([], [], [])
+    row = 0
+    for chunk, scores in zip(plan.chunks, wanted, strict=True):
+        last = row + chunk.num_tokens - 1
+        if scores:
+            prompt, num_top = scored[chunk.request_id]
+            # Row p predicts position p + 1; the last prompt row predicts nothing yet (its
+            # logits are the first sample's).
+            targets = prompt[chunk.start + 1 : chunk.end + 1]
+            scoring.chunks.append((chunk.request_id, len(scoring.logits_rows), targets, num_top))
+            scoring.logits_rows.extend(range(row, last + 1))
+            if chunk.samples:
+                scoring.sample_rows.append(len(scoring.logits_rows) - 1)
+        elif chunk.samples:
+            scoring.logits_rows.append(last)
+            scoring.sample_rows.append(len(scoring.logits_rows) - 1)
+        row = last + 1
+    return scoring

@@ -18,8 +18,16 @@ generator, stop ids). The prompt is prefilled once for all n (see kvserve/core/s
 
 Every way a request ends — finish, stop string, cancel, slow consumer, queue timeout, error,
 shutdown — goes through `_release`, which returns its slot and blocks (Scheduler.release, which
-also offers the capacity signal) or removes it from the queue, and ends its stream with a final
-delta carrying the finish reason and usage.
+also offers the capacity signal) or removes it from the queue, drops its grammar states, and
+ends its stream with a final delta carrying the finish reason and usage.
+
+A request under structured output whose grammar is not compiled yet waits in the "compiling"
+state: registered (it can be cancelled) but neither queued nor holding a slot. The grammar
+compiles on the structured-output worker; when it lands, the request joins admission as any
+other (or ends with a 400 if the grammar engine refused it). Each answer has its own matcher.
+
+A request that asks for prompt log-probabilities computes its whole prompt: cached blocks never
+stand in for rows whose logits it needs.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -48,10 +58,13 @@ from kvserve.core import (
 )
 from kvserve.core.scheduler import admit_or_enqueue, admit_waiting
 from kvserve.engine.batch import Batch, Sampled, StepOutput
+from kvserve.engine.sampler import RowState, Sampler, make_generator
 from kvserve.engine.stream import Delta, Stream, TokenLogprob, Usage
+from kvserve.engine.structured import GrammarError, GrammarState, StructuredOutputManager
 from kvserve.model import device_thread
 from kvserve.model.kv_cache import KVCache, PoolSize, choose_cache_dtype, choose_pool_size
 from kvserve.model.loader import LoadedModel, load_model
+from kvserve.params import SamplingParamsError
 from kvserve.request import (
     EngineError,
     EngineStopped,
@@ -61,7 +74,6 @@ from kvserve.request import (
     QueueTimeout,
     RequestCancelled,
 )
-from kvserve.sampling import RowState, Sampler, SamplingParamsError, make_generator
 
 log = logging.getLogger("kvserve.engine")
 
@@ -144,6 +156,7 @@ class Choice:
     detokenizer: object
     generator: torch.Generator | None
     seq: SeqState | None = None
+    grammar: GrammarState | None = None  # structured output; dropped on release
     finish_reason: str | None = None
 
     @property
@@ -160,7 +173,11 @@ class RequestState:
     max_tokens: int  # resolved answer budget (per answer)
     stop_token_ids: frozenset[int]
     choices: list[Choice]
-    status: str = "queued"  # queued | running | finished
+    reserve: int = 0  # KV positions reserved at admission beyond the prompt
+    # One entry per prompt token scored so far (None for the first), when the request asked
+    # for prompt logprobs; handed out with the first generated token.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    status: str = "queued"  # compiling | queued | running | finished
     finish_reason: str | None = None
     cancel_reason: str | None = None  # set while running; applied at the next step boundary
     admitted_at: float | None = None
@@ -175,7 +192,12 @@ class RequestState:
     @property
     def prompt(self) -> Prompt:
         """What admission needs: tokens (for prefix lookups), salt and n."""
-        return Prompt(self.request.prompt_token_ids, self.request.cache_salt, len(self.choices))
+        return Prompt(
+            self.request.prompt_token_ids,
+            self.request.cache_salt,
+            len(self.choices),
+            reuse=not self.request.needs_prompt_logprobs,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -206,6 +228,7 @@ class RequestState:
             generator=choice.generator,
             prompt_token_ids=self.request.prompt_token_ids,
             output_token_ids=choice.output_token_ids,
+            grammar=choice.grammar,
         )
 
 
@@ -275,6 +298,7 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.queue = AdmissionQueue.from_config(config.queue, config.scheduler.max_num_seqs)
         self.batch = Batch(self.loaded.model, self.kv_cache, Sampler(seed=config.seed))
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
         self._requests: dict[str, RequestState] = {}
         self._choices: dict[str, tuple[RequestState, Choice]] = {}  # by sequence id
         self._pending_cancels: list[str] = []
@@ -294,6 +318,8 @@ class Engine:
             self.config.scheduler, self.pool, self.max_model_len, capacity=self._signal
         )
         self._stopping = False
+        self._loop = asyncio.get_running_loop()
+        self.structured.warm()
         self._task = asyncio.create_task(self._run(), name="kvserve-engine")
 
     async def stop(self) -> None:
@@ -306,6 +332,8 @@ class Engine:
             await self._task
         finally:
             self._task = None
+            # Its worker thread goes with the engine (a compilation in progress takes ms).
+            self.structured.close()
 
     @property
     def running(self) -> bool:
@@ -358,6 +386,8 @@ class Engine:
             request=request,
             stream=Stream(request_id, self.config.stream.buffer_steps * params.n),
             max_tokens=reserve,
+            reserve=reserve,
+            prompt_logprobs=[None] if request.needs_prompt_logprobs else None,
             stop_token_ids=frozenset(stop_ids),
             choices=[
                 Choice(
@@ -375,23 +405,70 @@ class Engine:
                 for index in range(params.n)
             ],
         )
+        if params.structured is not None:
+            compiled = self.structured.compile(params.structured)
+            if not compiled.done():
+                # Compiling holds no slot and no queue place; admission follows it.
+                state.status = "compiling"
+                self._requests[request_id] = state
+                compiled.add_done_callback(lambda future: self._compiled_soon(state, future))
+                return state.stream
+            self._attach_grammars(state, compiled)  # cached: raises InvalidRequest
+        self._admit_or_enqueue(state)
+        self._requests[request_id] = state
+        self._wake.set()
+        return state.stream
+
+    def _admit_or_enqueue(self, state: RequestState) -> None:
+        """Take a slot or a queue place; raises QueueFull (nothing registered by it)."""
         outcome = admit_or_enqueue(
             self.scheduler,
             self.queue,
-            request_id,
-            len(prompt),
-            reserve,
+            state.request_id,
+            state.num_prompt_tokens,
+            state.reserve,
             time.monotonic(),
             state.prompt,
         )
         if outcome is Outcome.QUEUE_FULL:
             self.observer.on_rejected("queue_full")
             raise QueueFull(self.config.queue.queue_timeout)
-        self._requests[request_id] = state
+        state.status = "queued"
         if outcome is Outcome.ADMITTED:
             self._mark_admitted(state)
+
+    # -- structured output ---------------------------------------------------------------------
+
+    def _attach_grammars(self, state: RequestState, compiled: Future) -> None:
+        """A matcher per answer from a finished compilation; InvalidRequest when refused."""
+        try:
+            grammar = compiled.result()
+            for choice in state.choices:
+                choice.grammar = self.structured.matcher(grammar)
+        except GrammarError as exc:
+            raise InvalidRequest(exc.message, exc.param) from None
+
+    def _compiled_soon(self, state: RequestState, compiled: Future) -> None:
+        """On the compiling thread: hand the result to the loop thread."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: shutdown ended the request
+            self._loop.call_soon_threadsafe(self._compiled, state, compiled)
+
+    def _compiled(self, state: RequestState, compiled: Future) -> None:
+        """A grammar landed for a request waiting in "compiling": admit it or refuse it."""
+        if state.status != "compiling":
+            return  # cancelled or shut down meanwhile
+        try:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            self._attach_grammars(state, compiled)
+            self._admit_or_enqueue(state)
+        except QueueFull as exc:  # the queue filled while it compiled: a 429 as at the door
+            self._release(state, "queue_full", error=exc)
+            return
+        except EngineError as exc:
+            self._release(state, "error", error=exc)
+            return
         self._wake.set()
-        return state.stream
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         """Stop a request: at once while queued, at the next step boundary while running.
@@ -399,7 +476,7 @@ class Engine:
         state = self._requests.get(request_id)
         if state is None or state.status == "finished":
             return False
-        if state.status == "queued":
+        if state.status in ("queued", "compiling"):
             self._release(state, reason, error=RequestCancelled("the client closed the request"))
         elif state.cancel_reason is None:
             state.cancel_reason = reason
@@ -479,10 +556,11 @@ class Engine:
             self.scheduler.abort(plan)
             return False
         rows = self._sampling_rows(plan)
+        scored = self._scored_prompts(plan)
         started = time.monotonic()
         try:
             output = await asyncio.get_running_loop().run_in_executor(
-                device_thread.executor(), self.batch.execute, plan, rows
+                device_thread.executor(), self.batch.execute, plan, rows, scored
             )
         except Exception as exc:  # a failed step fails its requests, not the server
             log.exception("step %d failed", plan.step)
@@ -510,6 +588,20 @@ class Engine:
                 state, choice = self._choices[seq_id]
                 rows[seq_id] = state.row_state(choice)
         return rows
+
+    def _scored_prompts(self, plan: StepPlan) -> dict[str, tuple[Sequence[int], int]]:
+        """The prefill chunks whose rows score their prompt (prompt logprobs were asked for):
+        sequence id -> (the prompt's tokens, how many alternatives per position)."""
+        scored: dict[str, tuple[Sequence[int], int]] = {}
+        for chunk in plan.chunks:
+            if not chunk.is_prefill:
+                continue
+            entry = self._choices.get(chunk.request_id)
+            if entry is None or entry[0].prompt_logprobs is None:
+                continue
+            request = entry[0].request
+            scored[chunk.request_id] = (request.prompt_token_ids, request.params.prompt_logprobs)
+        return scored
 
     async def _idle_wait(self) -> None:
         """Sleep until something happens: an arrival, a cancel, a release, a queue deadline."""
@@ -562,6 +654,10 @@ class Engine:
     def _deliver(self, plan: StepPlan, output: StepOutput) -> None:
         """Decide for each sampled token whether its answer is done, hand out deltas."""
         now = time.monotonic()
+        for seq_id, scored in output.prompt_logprobs.items():
+            entry = self._choices.get(seq_id)
+            if entry is not None and entry[0].prompt_logprobs is not None:
+                entry[0].prompt_logprobs.extend(scored)
         arrived: dict[str, list[tuple[Choice, Sampled]]] = {}
         for chunk in plan.chunks:
             for seq_id in chunk.sampler_ids:
@@ -589,9 +685,17 @@ class Engine:
         self, state: RequestState, choice: Choice, sampled: Sampled, now: float
     ) -> None:
         token = sampled.token_id
+        if choice.grammar is not None and not choice.grammar.accept(token):
+            # The mask allowed only grammar tokens; this is a grammar engine failure.
+            error = EngineError(f"structured output failed: {choice.grammar.error}")
+            self._release(state, "error", error=error)
+            return
         logprobs = ()
         if sampled.logprob is not None:
             logprobs = (TokenLogprob(token, sampled.logprob, tuple(sampled.top_logprobs or ())),)
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and len(choice.output_token_ids) == 1:
+            prompt_logprobs = tuple(state.prompt_logprobs)
         detok = choice.detokenizer
         reason = None
         if token in state.stop_token_ids:
@@ -601,16 +705,33 @@ class Engine:
             text = detok.add(token)
             if detok.stopped:
                 reason = "stop"
+            elif choice.grammar is not None and choice.grammar.is_stopped:
+                # The grammar is complete and allows nothing more: end without the step that
+                # would only draw the end-of-sequence token.
+                reason = "stop"
+                text += detok.flush()
             elif len(choice.output_token_ids) >= state.max_tokens:
                 reason = "length"
                 text += detok.flush()
         if reason is not None:
             self._release(
-                state, reason, choice=choice, text=text, token_ids=(token,), logprobs=logprobs
+                state,
+                reason,
+                choice=choice,
+                text=text,
+                token_ids=(token,),
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                stop_sequence=detok.stop_reason,
             )
         elif not state.stream.offer(
             Delta(
-                text=text, token_ids=(token,), logprobs=logprobs, timestamp=now, index=choice.index
+                text=text,
+                token_ids=(token,),
+                logprobs=logprobs,
+                timestamp=now,
+                index=choice.index,
+                prompt_logprobs=prompt_logprobs,
             )
         ):
             self._drop_slow_consumer(state)
@@ -644,8 +765,10 @@ class Engine:
         text: str = "",
         token_ids: tuple[int, ...] = (),
         logprobs: tuple[TokenLogprob, ...] = (),
+        prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None,
         error: EngineError | None = None,
         queued: bool = True,
+        stop_sequence: str | None = None,
     ) -> None:
         """End a request however it ends, or with `choice` one of its answers (the request
         ends with its last answer): slots and blocks back (or out of the queue), the stream
@@ -655,6 +778,7 @@ class Engine:
         now = time.monotonic()
         if choice is not None:
             choice.finish_reason = reason
+            choice.grammar = None
             self.scheduler.release(choice.seq_id)
             if any(other.finish_reason is None for other in state.choices):
                 delta = Delta(
@@ -664,6 +788,8 @@ class Engine:
                     finish_reason=reason,
                     timestamp=now,
                     index=choice.index,
+                    prompt_logprobs=prompt_logprobs,
+                    stop_sequence=stop_sequence,
                 )
                 if not state.stream.offer(delta):
                     self._drop_slow_consumer(state)
@@ -672,8 +798,10 @@ class Engine:
             for other in state.choices:
                 self.scheduler.release(other.seq_id)
                 self._choices.pop(other.seq_id, None)
-        elif queued:
+        elif queued and state.status == "queued":
             self.queue.cancel(state.request_id)
+        for other in state.choices:
+            other.grammar = None
         state.status = "finished"
         state.finish_reason = reason
         state.finished_at = now
@@ -688,6 +816,8 @@ class Engine:
                 error=error,
                 timestamp=now,
                 index=0 if choice is None else choice.index,
+                prompt_logprobs=prompt_logprobs,
+                stop_sequence=stop_sequence,
             )
         )
         self.observer.on_finished(state)

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.engine.llm import LLM
-    from kvserve.sampling import SamplingParams
+    from kvserve.params import SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     config = engine_config_from_args(args)

@@ -22,6 +22,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # most likely alternatives, best first
+    rank: int | None = None  # 1 = the most likely token; None where it was not computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,10 @@ class Delta:
     error: EngineError | None = None
     timestamp: float = 0.0
     index: int = 0
+    # On the delta of the first generated token, when the request asked for prompt logprobs:
+    # one entry per prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
 
     @property
     def finished(self) -> bool:

@@ -86,8 +86,13 @@ def choose_quantization(
     config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
+    *,
+    dtype_asked: bool = False,
 ) -> tuple[str, str]:
     """Resolve `--quantization` to "none" or "int8", with the reason in a few words.
+
+    A dtype asked for by name (`--dtype float32`, `LLM(dtype="float32")`) is a request for the
+    float path in that dtype, so `auto` keeps it.
 
     `auto` picks int8 linear layers when the checkpoint is already quantized (its weights were
     rounded to 4-8 bits: int8 with a per-row scale loses nothing they still had, see
@@ -97,6 +102,8 @@ def choose_quantization(
     """
     if requested != "auto":
         return requested, "asked for"
+    if dtype_asked:
+        return "none", f"auto: --dtype {str(dtype).removeprefix('torch.')} asked for, kept"
     quantized = sorted(set(tensor_types) - FLOAT_TENSOR_TYPES)
     if not quantized:
         return "none", f"auto: the checkpoint is float ({'/'.join(tensor_types)}), kept as it is"
@@ -205,7 +212,12 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
         name = DEFAULT_MODEL_NAME if path == default_model_path() else path.stem
     config = checkpoint.config
     quantization, reason = choose_quantization(
-        device_config.quantization, checkpoint.quantization, config, device, dtype
+        device_config.quantization,
+        checkpoint.quantization,
+        config,
+        device,
+        dtype,
+        dtype_asked=device_config.dtype != "auto",
     )
     with tqdm(
         total=config.num_layers + 2,

@@ -37,6 +37,7 @@ SOURCES = [
     CSRC / "int8_gemm.c",
     CSRC / "kv_int8.c",
     CSRC / "forward_int8.c",
+    CSRC / "bitmask.c",
 ]
 HEADER = CSRC / "common.h"
 # -fno-math-errno / -fno-trapping-math (not -ffast-math: no reassociation, NaN and infinity keep
@@ -160,6 +161,8 @@ def library() -> ctypes.CDLL | None:
     lib.kvserve_kv_int8_available.restype = ctypes.c_int
     lib.kvserve_topk_rows.argtypes = [p, i64, i64, i64, p, i32]
     lib.kvserve_topk_rows.restype = None
+    lib.kvserve_apply_token_bitmask.argtypes = [p, i64, i64, p, i64, p, i64, i32]
+    lib.kvserve_apply_token_bitmask.restype = None
     lib.kvserve_int8_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32]
     lib.kvserve_int8_gemm.restype = None
     lib.kvserve_int8_gemm_available.argtypes = []
@@ -667,6 +670,28 @@ def topk_rows(x: torch.Tensor, k: int) -> torch.Tensor:
         x.data_ptr(), rows, n, k, indices.data_ptr(), torch.get_num_threads()
     )
     return indices
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: ``logits[rows[i], t] = -inf`` wherever bit t of ``bitmask[i]`` is clear.
+
+    logits: [num_logit_rows, vocab] float32 with unit column stride; bitmask: [len(rows), words]
+    int32 contiguous (llguidance's and xgrammar's layout); rows: [n] int64. Tokens beyond
+    ``words * 32`` are masked.
+    """
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    assert bitmask.dtype == torch.int32 and bitmask.is_contiguous()
+    assert rows.dtype == torch.int64 and rows.is_contiguous() and bitmask.shape[0] == rows.shape[0]
+    library().kvserve_apply_token_bitmask(
+        logits.data_ptr(),
+        logits.stride(0),
+        logits.shape[1],
+        bitmask.data_ptr(),
+        bitmask.shape[1],
+        rows.data_ptr(),
+        rows.shape[0],
+        torch.get_num_threads(),
+    )
 
 
 class Int8WeightStruct(ctypes.Structure):

@@ -1,7 +1,8 @@
 """The HTTP app (FastAPI on uvicorn) over the Engine's public API: the dialects' routes, the
 middleware, and the probes.
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /v1/chat/completions   POST /v1/completions   POST /v1/responses   GET /v1/models
+    POST /v1/messages   POST /v1/messages/count_tokens
     POST /tokenize   POST /detokenize   GET /health   GET /ready   GET /metrics
 
 The request lifecycle every generating route shares is `kvserve.server.core`; each dialect
@@ -24,10 +25,18 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from kvserve import __version__
 from kvserve.config import ServerConfig
 from kvserve.engine.engine import Engine
+from kvserve.server import schemas
 from kvserve.server.core import EngineFactory, Exchange, ServerState, json_response
-from kvserve.server.dialects import openai_chat, openai_completions, tokenize
+from kvserve.server.dialects import (
+    anthropic_messages,
+    openai_chat,
+    openai_completions,
+    openai_responses,
+    tokenize,
+)
 from kvserve.server.middleware import OPEN_PATHS, Gatekeeper
 from kvserve.server.protocol import APIError, validation_error_from_list
 
@@ -40,7 +49,7 @@ __all__ = [
     "create_app",
 ]
 
-_DIALECTS = (openai_chat, openai_completions, tokenize)
+_DIALECTS = (openai_chat, openai_completions, openai_responses, anthropic_messages, tokenize)
 
 ENDPOINTS = frozenset(
     {"/v1/models", *OPEN_PATHS, *(path for dialect in _DIALECTS for path in dialect.PATHS)}
@@ -77,10 +86,12 @@ def create_app(
 
     app = FastAPI(
         title="kvserve",
+        description="OpenAI-compatible LLM serving (and vLLM's /tokenize and /detokenize).",
+        version=__version__,
         lifespan=lifespan,
-        docs_url=None,
+        docs_url="/docs",
         redoc_url=None,
-        openapi_url=None,
+        openapi_url="/openapi.json",
     )
     app.state.kvserve = state
 
@@ -103,14 +114,16 @@ def create_app(
 
     app.add_middleware(Gatekeeper, state=state, endpoints=ENDPOINTS)
 
-    @app.get("/health")
+    errors = schemas.error_responses
+
+    @app.get("/health", responses={200: schemas.json_response(schemas.Status), **errors(503)})
     async def health() -> Response:
         # Liveness: the process answers; an engine that died after loading is not alive.
         if state.engine is not None and not state.engine.running:
             return json_response({"status": "engine stopped"}, 503)
         return json_response({"status": "ok"})
 
-    @app.get("/ready")
+    @app.get("/ready", responses={200: schemas.json_response(schemas.Status), **errors(503)})
     async def ready() -> Response:
         if state.ready:
             return json_response({"status": "ready", "model": state.model_name})
@@ -118,12 +131,15 @@ def create_app(
             return json_response({"status": "failed", "error": str(state.load_error)}, 503)
         return json_response({"status": "loading"}, 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: schemas.text_response("text/plain", "Prometheus metrics")})
     async def metrics() -> Response:
         content, content_type = state.metrics.render()
         return Response(content, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.get(
+        "/v1/models",
+        responses={200: schemas.json_response(schemas.ModelList), **errors(401, 503)},
+    )
     async def models() -> Response:
         engine = state.require_engine()
         card = {
@@ -139,6 +155,7 @@ def create_app(
     for dialect in _DIALECTS:
         dialect.register(app, state)
 
+    schemas.describe(app, {key: body for d in _DIALECTS for key, body in d.BODIES.items()})
     return app
 
 

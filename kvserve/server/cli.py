@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.cli import add_engine_arguments, engine_config_from_args, parse_size
 from kvserve.config import ServerConfig, env_default
+from kvserve.server.tools import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:  # the engine imports torch; `kvserve serve --help` should not
     from kvserve.engine.engine import Engine
@@ -39,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key",
         default=e("--api-key", None),
-        help="require 'Authorization: Bearer KEY' on the API (health, ready, metrics stay open)",
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on the API "
+        "(health, ready, metrics stay open)",
     )
     g.add_argument(
         "--max-body-bytes",
@@ -52,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=e("--log-level", defaults.log_level),
         choices=("debug", "info", "warning", "error"),
     )
+    g.add_argument(
+        "--tool-call-parser",
+        default=e("--tool-call-parser", None),
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="how tool_choice 'auto' reads the model's calls (default: by chat-template family)",
+    )
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -63,6 +71,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+import string
 import time
+import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -22,10 +24,20 @@ __all__ = ["OPEN_PATHS", "Gatekeeper"]
 log = logging.getLogger("kvserve.server")
 access_log = logging.getLogger("kvserve.access")
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
-"""Probes and scrapes stay open when --api-key is set."""
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/docs"})
+"""Probes, scrapes and the API's description stay open when --api-key is set."""
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def _header_safe(name: str) -> str:
+    """A client's field name as header text: anything but visible ASCII (control characters,
+    which would make the header illegal, and non-ASCII) is percent-encoded, as are `%` and the
+    `,` that separates names."""
+    return urllib.parse.quote(name, safe=_HEADER_SAFE)
+
+
+_HEADER_SAFE = "".join(c for c in string.punctuation if c not in ",%")
 
 
 class Gatekeeper:
@@ -44,6 +56,7 @@ class Gatekeeper:
         self.endpoints = endpoints
         key = state.config.api_key
         self._expected = f"Bearer {key}".encode() if key else None
+        self._expected_key = key.encode() if key else None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -69,7 +82,7 @@ class Gatekeeper:
                     (b"x-request-id", exchange.request_id.encode()),
                 ]
                 if exchange.ignored_fields:
-                    ignored = ",".join(exchange.ignored_fields).encode("latin-1", "replace")
+                    ignored = ",".join(map(_header_safe, exchange.ignored_fields)).encode()
                     headers.append((b"x-kvserve-ignored-fields", ignored))
                 message = {**message, "headers": headers}
             await send(message)
@@ -97,16 +110,20 @@ class Gatekeeper:
     def _authorize(self, scope: Mapping[str, Any]) -> APIError | None:
         if self._expected is None or scope["path"] in OPEN_PATHS:
             return None
-        given = b""
+        bearer = api_key = b""
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
-                given = value
-                break
-        if hmac.compare_digest(given, self._expected):
+                bearer = value
+            elif name == b"x-api-key":  # as Anthropic clients send it
+                api_key = value
+        assert self._expected_key is not None
+        if hmac.compare_digest(bearer, self._expected) or hmac.compare_digest(
+            api_key, self._expected_key
+        ):
             return None
         return APIError(
             401,
-            "a valid API key is required: send 'Authorization: Bearer <key>'",
+            "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
             error_type="authentication_error",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},

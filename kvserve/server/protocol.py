@@ -3,8 +3,8 @@
 Requests are parsed from the raw body with pydantic in strict mode (a string is not a number,
 a float is not an integer), every model allowing extra fields. Extras are then sorted:
 
-- fields that would change the answer and are not supported (`tools`, `response_format` other
-  than text, `echo`, `suffix`, `best_of > 1`, guided decoding, ...) are refused by name (400);
+- fields that would change the answer and are not supported (`functions`, `suffix`,
+  `best_of > 1`, the older `guided_*` fields, `echo` on chat, ...) are refused by name (400);
 - every other extra is accepted, has no effect, and is reported back in the
   `X-KVServe-Ignored-Fields` header and counted.
 
@@ -179,10 +179,6 @@ def _not_in(*allowed: Any) -> Callable[[Any], bool]:
     return lambda value: value not in allowed
 
 
-def _response_format_changes(value: Any) -> bool:
-    return value is not None and not (isinstance(value, Mapping) and value.get("type") == "text")
-
-
 def _tool_choice_changes(value: Any) -> bool:
     return value not in (None, "none", "auto")
 
@@ -190,27 +186,20 @@ def _tool_choice_changes(value: Any) -> bool:
 # Unsupported fields that would change the answer when given a meaningful value. Given a value
 # that means "off" (tools: [], echo: false, best_of: 1), they are accepted and reported.
 _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (_present, "tool calling is not supported"),
-    "tool_choice": (_tool_choice_changes, "tool calling is not supported"),
-    "functions": (_present, "function calling is not supported"),
-    "function_call": (_tool_choice_changes, "function calling is not supported"),
-    "response_format": (
-        _response_format_changes,
-        "only response_format {'type': 'text'} is supported",
-    ),
+    "functions": (_present, "'functions' is not supported; use 'tools'"),
+    "function_call": (_tool_choice_changes, "'function_call' is not supported; use 'tool_choice'"),
     "best_of": (_not_in(None, 1), "only best_of=1 is supported"),
     "echo": (_present, "echo is not supported"),
     "suffix": (lambda value: value not in (None, ""), "suffix is not supported"),
     "audio": (_present, "audio output is not supported"),
     "modalities": (lambda value: value not in (None, ["text"]), "only text output is supported"),
     "prediction": (_present, "predicted outputs are not supported"),
-    "guided_json": (_present, "guided decoding is not supported"),
-    "guided_regex": (_present, "guided decoding is not supported"),
-    "guided_choice": (_present, "guided decoding is not supported"),
-    "guided_grammar": (_present, "guided decoding is not supported"),
-    "structured_outputs": (_present, "structured outputs are not supported"),
-    "grammar": (_present, "grammars are not supported"),
-    "json_schema": (_present, "JSON schemas are not supported"),
+    "guided_json": (_present, "guided_* fields are gone; use 'structured_outputs'"),
+    "guided_regex": (_present, "guided_* fields are gone; use 'structured_outputs'"),
+    "guided_choice": (_present, "guided_* fields are gone; use 'structured_outputs'"),
+    "guided_grammar": (_present, "guided_* fields are gone; use 'structured_outputs'"),
+    "grammar": (_present, "use 'structured_outputs': {'grammar': ...}"),
+    "json_schema": (_present, "use 'response_format' or 'structured_outputs'"),
     "use_beam_search": (_present, "beam search is not supported"),
     "length_penalty": (_not_in(None, 1, 1.0), "length_penalty is not supported"),
     "min_tokens": (_not_in(None, 0), "min_tokens is not supported"),

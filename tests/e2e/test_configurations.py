@@ -1,6 +1,6 @@
 """Every configuration (fp32, bf16, int8 weights, int8 KV cache, both) behind the real server:
-prompts of every awkward length, a context filled to its last position, and a model that
-raises in the middle of a step. The server answers each request (200 or a clear 400), fails
+prompts of every awkward length, and a model that raises in the middle of a step (a context
+filled to its last position is in tests/engine/test_configurations.py). The server answers each request (200 or a clear 400), fails
 only the step's own requests when the model raises, and keeps serving; the pool comes back
 whole."""
 
@@ -68,20 +68,6 @@ def test_every_prompt_length_is_answered(server):
     assert refused.json()["error"]["param"] in ("prompt", "max_tokens")
     assert server.call(engine.is_idle)
     assert completion(server, "The sea is").status_code == 200
-
-
-def test_a_context_filled_to_its_last_position(server):
-    """The prompt plus the answer take every position the context has."""
-    prompt = prompt_ids(MAX_MODEL_LEN - 40, 3)
-    reply = completion(server, prompt, max_tokens=40, ignore_eos=True)
-    assert reply.status_code == 200, reply.text
-    usage = reply.json()["usage"]
-    assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_MODEL_LEN
-    assert reply.json()["choices"][0]["finish_reason"] == "length"
-    # One more position is refused at the door.
-    over = completion(server, prompt, max_tokens=41)
-    assert over.status_code == 400
-    assert server.call(server.state.engine.is_idle)
 
 
 class FaultyModel:

@@ -2,20 +2,21 @@
 and while queued. Logged as 499; never counted as a server error.
 
 Steps are held at a gate, so "within one step" is exact: once the server has seen the client
-go, the test lets one step run and the request must be gone after it.
+go, the test lets one step run and the request must be gone after it. Every case runs in every
+dialect (chat, Anthropic messages, Responses).
 """
 
 from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.e2e.dialects import DIALECTS, Dialect
 
-LONG = {
-    "messages": [{"role": "user", "content": "Tell me a long story."}],
-    "max_tokens": 200,
-    "ignore_eos": True,
-}
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("dialect", DIALECTS, ids=str)]
+
+
+def _long(dialect: Dialect, *, stream: bool = False, max_tokens: int = 200) -> dict:
+    return dialect.request("Tell me a long story.", max_tokens, stream=stream)
 
 
 @pytest.fixture(scope="module")
@@ -47,40 +48,44 @@ def _assert_freed_after_one_step(server, gate, request_id: str, until) -> None:
     assert all(request_id not in plan for plan in gate.plans[num_plans:])
 
 
-def _assert_logged_499_without_5xx(server, access_log, metrics, request_id: str | None) -> None:
+def _assert_logged_499_without_5xx(
+    server, dialect: Dialect, access_log, metrics, request_id: str | None
+) -> None:
     lines = access_log.with_status(499)
     assert len(lines) == 1
     if request_id is not None:
         assert lines[0].startswith(request_id)
     samples = metrics(server)
     assert not any(name.startswith("kvserve:http_server_errors") for name in samples)
-    assert samples['kvserve:http_requests_total{endpoint="/v1/chat/completions",status="499"}'] >= 1
+    assert samples[f'kvserve:http_requests_total{{endpoint="{dialect.path}",status="499"}}'] >= 1
 
 
-def test_client_leaving_mid_stream(server, gate_factory, raw_client, access_log, metrics, until):
+def test_client_leaving_mid_stream(
+    server, dialect, gate_factory, raw_client, access_log, metrics, until
+):
     gate = gate_factory(server)
     client = raw_client(server.port)
-    client.post("/v1/chat/completions", {**LONG, "stream": True})
+    client.post(dialect.path, _long(dialect, stream=True))
     gate.step()  # prefill: the first token
     gate.step()
     status, headers = client.read_head()
     assert status == 200
-    client.read_events(2)  # the role chunk and content are out
+    client.read_events(2)  # the opening event and content are out
     request_id = headers["x-request-id"]
     gate.wait_blocked()  # the next step, with this request in it, is held
     assert all(plan == (request_id,) for plan in gate.plans)
     client.close()
     _assert_freed_after_one_step(server, gate, request_id, until)
     until(lambda: access_log.line_for(request_id) is not None)
-    _assert_logged_499_without_5xx(server, access_log, metrics, request_id)
+    _assert_logged_499_without_5xx(server, dialect, access_log, metrics, request_id)
 
 
 def test_client_leaving_mid_non_stream(
-    server, gate_factory, raw_client, access_log, metrics, until
+    server, dialect, gate_factory, raw_client, access_log, metrics, until
 ):
     gate = gate_factory(server)
     client = raw_client(server.port)
-    client.post("/v1/chat/completions", LONG)
+    client.post(dialect.path, _long(dialect))
     gate.step()
     gate.step()
     gate.wait_blocked()
@@ -89,17 +94,19 @@ def test_client_leaving_mid_non_stream(
     client.close()
     _assert_freed_after_one_step(server, gate, request_id, until)
     until(lambda: access_log.line_for(request_id) is not None)
-    _assert_logged_499_without_5xx(server, access_log, metrics, request_id)
+    _assert_logged_499_without_5xx(server, dialect, access_log, metrics, request_id)
 
 
-def test_client_leaving_while_queued(server, gate_factory, raw_client, access_log, metrics, until):
+def test_client_leaving_while_queued(
+    server, dialect, gate_factory, raw_client, access_log, metrics, until
+):
     engine = server.state.engine
     gate = gate_factory(server)
     running = raw_client(server.port)
-    running.post("/v1/chat/completions", {**LONG, "max_tokens": 3})
+    running.post(dialect.path, _long(dialect, max_tokens=3))
     gate.wait_blocked()
     queued = raw_client(server.port)
-    queued.post("/v1/chat/completions", {**LONG, "stream": True})
+    queued.post(dialect.path, _long(dialect, stream=True))
     until(lambda: server.call(lambda: engine.num_waiting) == 1)
     queued.close()
     # A queued request holds no slot: it leaves the queue at once, no step needed.
@@ -112,4 +119,4 @@ def test_client_leaving_while_queued(server, gate_factory, raw_client, access_lo
     until(lambda: server.call(engine.is_idle))
     # The queued request never ran.
     assert {request_id for plan in gate.plans for request_id in plan} == {gate.plans[0][0]}
-    _assert_logged_499_without_5xx(server, access_log, metrics, None)
+    _assert_logged_499_without_5xx(server, dialect, access_log, metrics, None)

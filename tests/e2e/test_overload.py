@@ -1,5 +1,6 @@
 """Overload: the excess of a burst gets 429 + Retry-After before any body byte, everyone
-admitted completes, nothing leaks. A client that stops reading is dropped; others stream on."""
+admitted completes, nothing leaks. A client that stops reading is dropped; others stream on.
+Every rule is checked in every dialect (chat, Anthropic messages, Responses)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import socket
 
 import httpx
 import pytest
+
+from tests.e2e.dialects import DIALECTS, LENGTH_ENDINGS, Dialect
 
 pytestmark = pytest.mark.slow
 
@@ -29,18 +32,11 @@ def server(server_factory, engine_config):
     server.stop()
 
 
-async def _one(client: httpx.AsyncClient, index: int) -> dict:
+async def _one(client: httpx.AsyncClient, dialect: Dialect, index: int) -> dict:
     """One request of the burst: even ones stream, odd ones do not."""
     stream = index % 2 == 0
-    payload = {
-        "messages": [{"role": "user", "content": f"Say a number, {index}."}],
-        "max_tokens": MAX_TOKENS,
-        "ignore_eos": True,
-        "stream": stream,
-    }
-    if stream:
-        payload["stream_options"] = {"include_usage": True}
-    async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+    payload = dialect.request(f"Say a number, {index}.", MAX_TOKENS, stream=stream)
+    async with client.stream("POST", dialect.path, json=payload) as response:
         body = await response.aread()
     return {
         "status": response.status_code,
@@ -50,25 +46,10 @@ async def _one(client: httpx.AsyncClient, index: int) -> dict:
     }
 
 
-def _completion_tokens(result: dict) -> int:
-    if not result["stream"]:
-        return json.loads(result["body"])["usage"]["completion_tokens"]
-    events = [
-        line.removeprefix("data: ")
-        for line in result["body"].decode().splitlines()
-        if line.startswith("data: ")
-    ]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(event) for event in events[:-1]]
-    # The last content chunk carries the finish reason; the usage chunk follows it. (Counting
-    # content chunks would undercount: a token that ends inside a UTF-8 character, or text held
-    # back for a possible stop string, sends no chunk of its own.)
-    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["choices"] == []
-    return chunks[-1]["usage"]["completion_tokens"]
-
-
-def test_burst_gets_429_for_the_excess_and_completes_the_rest(server, gate_factory, metrics, until):
+@pytest.mark.parametrize("dialect", DIALECTS, ids=str)
+def test_burst_gets_429_for_the_excess_and_completes_the_rest(
+    server, dialect, gate_factory, metrics, until
+):
     engine = server.state.engine
     capacity = NUM_SLOTS * (1 + QUEUE_PER_SLOT)
     num_requests = 4 * capacity
@@ -79,7 +60,7 @@ def test_burst_gets_429_for_the_excess_and_completes_the_rest(server, gate_facto
     async def burst() -> list[dict]:
         limits = httpx.Limits(max_connections=num_requests)
         async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
-            tasks = [asyncio.create_task(_one(client, i)) for i in range(num_requests)]
+            tasks = [asyncio.create_task(_one(client, dialect, i)) for i in range(num_requests)]
             while sum(task.done() for task in tasks) < num_requests - capacity:
                 await asyncio.sleep(0.01)
             assert server.call(lambda: (engine.num_running, engine.num_waiting)) == (
@@ -98,11 +79,10 @@ def test_burst_gets_429_for_the_excess_and_completes_the_rest(server, gate_facto
         # Refused before any SSE byte: a JSON error body even for streaming requests.
         assert result["headers"]["content-type"] == "application/json"
         assert result["headers"]["retry-after"] == str(int(QUEUE_TIMEOUT))
-        error = json.loads(result["body"])["error"]
-        assert error["type"] == "rate_limit_error"
-        assert error["code"] == "queue_full"
+        dialect.rate_limited(result["body"], "queue_full")
     for result in served:
-        assert _completion_tokens(result) == MAX_TOKENS
+        ending = dialect.ending(result["body"], result["stream"])
+        assert ending == (LENGTH_ENDINGS[dialect.name], MAX_TOKENS)
     until(lambda: server.call(engine.is_idle), message="the pool is not whole after the burst")
     after = metrics(server)
     queue_full = 'kvserve:request_rejections_total{reason="queue_full"}'
@@ -110,7 +90,10 @@ def test_burst_gets_429_for_the_excess_and_completes_the_rest(server, gate_facto
     assert not any(name.startswith("kvserve:http_server_errors") for name in after)
 
 
-def test_wait_expired_is_429_with_the_wait_budget(server_factory, engine_config, gate_factory):
+@pytest.mark.parametrize("dialect", DIALECTS, ids=str)
+def test_wait_expired_is_429_with_the_wait_budget(
+    server_factory, engine_config, gate_factory, dialect
+):
     server = server_factory(engine_config(max_num_seqs=1, max_queue_per_slot=1, queue_timeout=1))
     engine = server.state.engine
     # Slow steps, not held ones: waits expire at step boundaries.
@@ -118,13 +101,14 @@ def test_wait_expired_is_429_with_the_wait_budget(server_factory, engine_config,
     try:
 
         async def both() -> tuple[httpx.Response, httpx.Response]:
-            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            # A generous timeout: on a shared machine one step can take seconds.
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
                 long = {"prompt": "One", "max_tokens": 60, "ignore_eos": True}
                 first = asyncio.create_task(client.post("/v1/completions", json=long))
                 while server.call(lambda: engine.num_running) == 0:
                     await asyncio.sleep(0.01)
                 second = await client.post(
-                    "/v1/completions", json={"prompt": "Two", "max_tokens": 2, "stream": True}
+                    dialect.path, json=dialect.request("Two", 2, stream=True, ignore_eos=False)
                 )
                 return await first, second
 
@@ -134,44 +118,41 @@ def test_wait_expired_is_429_with_the_wait_budget(server_factory, engine_config,
         assert second.status_code == 429
         assert second.headers["content-type"] == "application/json"
         assert second.headers["retry-after"] == "1"
-        assert second.json()["error"]["code"] == "queue_timeout"
+        dialect.rate_limited(second.content, "queue_timeout")
         assert server.call(engine.is_idle)
     finally:
         gate.open()
         server.stop()
 
 
+@pytest.mark.parametrize("dialect", DIALECTS, ids=str)
 def test_slow_consumer_is_dropped_while_others_stream(
-    server_factory, engine_config, raw_client, metrics, until
+    dialect, server_factory, engine_config, raw_client, metrics, until
 ):
-    # Small socket buffers on both ends, so a client that does not read blocks the server's
-    # writes once uvicorn's own 64 KiB write buffer is full (a few dozen events of top-20
-    # logprobs) instead of after megabytes.
+    # The smallest socket buffers on both ends, and a small write buffer in the server for the
+    # slow connection, so a client that does not read blocks the server's writes after a few
+    # dozen events instead of after megabytes.
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     server = server_factory(engine_config(max_num_seqs=2, buffer_steps=4), sock=listener)
     engine = server.state.engine
-    slow = raw_client(server.port, receive_buffer=4096)
+    slow = raw_client(server.port, receive_buffer=1)
+    slow_budget, num_tokens = 400, 150
     try:
-        # Top-20 logprobs make every event a few kilobytes.
-        slow.post(
-            "/v1/chat/completions",
-            {
-                "messages": [{"role": "user", "content": "Tell a long story."}],
-                "max_tokens": 400,
-                "ignore_eos": True,
-                "stream": True,
-                "logprobs": True,
-                "top_logprobs": 20,
-            },
-        )
+        slow.post(dialect.path, dialect.request("Tell a long story.", slow_budget, stream=True))
         status, headers = slow.read_head()
         assert status == 200
+
+        def shrink_write_buffers() -> None:
+            # asyncio's default is 64 KiB; only the slow connection is open now.
+            for connection in server.server.server_state.connections:
+                connection.transport.set_write_buffer_limits(high=1024)
+
+        server.call(shrink_write_buffers)
         slow_id = headers["x-request-id"]
-        num_tokens = 100
         with httpx.stream(
             "POST",
             server.url + "/v1/chat/completions",
@@ -193,11 +174,11 @@ def test_slow_consumer_is_dropped_while_others_stream(
         until(lambda: metrics(server)[slow_key] == 1, message="the slow client was not dropped")
         samples = metrics(server)
         assert samples['kvserve:request_success_total{finished_reason="slow_consumer"}'] == 1
-        # The slow one was dropped while the other kept streaming, long before its 400 tokens.
+        # The slow one was dropped while the other kept streaming, long before its budget.
         steps = list(engine.step_log)
         slow_steps = [r.step for r in steps if slow_id in r.request_ids]
         fast_steps = [r.step for r in steps if fast_id in r.request_ids]
-        assert len(slow_steps) < 400
+        assert len(slow_steps) < slow_budget
         assert max(slow_steps) < max(fast_steps)
         until(lambda: server.call(engine.is_idle))
     finally:

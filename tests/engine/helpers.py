@@ -8,8 +8,8 @@ from typing import Any
 
 from kvserve.config import CacheConfig, EngineConfig, QueueConfig, SchedulerConfig, StreamConfig
 from kvserve.engine.engine import Engine
+from kvserve.params import SamplingParams
 from kvserve.request import GenerationRequest
-from kvserve.sampling import SamplingParams
 
 
 def make_config(

@@ -1,5 +1,6 @@
 """Every configuration through the engine at the shapes that break kernels: 64 rows in a step,
-prefill chunks that end in the middle of a block, and every block size the CLI accepts."""
+prefill chunks that end in the middle of a block, every block size the CLI accepts, and a
+context filled to its last position."""
 
 from __future__ import annotations
 
@@ -24,14 +25,16 @@ def configuration(request):
     return configuration, request.getfixturevalue(configuration.model_fixture)
 
 
-def config(kv_cache_dtype, *, block_size=32, blocks=160, slots=8, chunk=512, rows=2048):
+def config(
+    kv_cache_dtype, *, block_size=32, blocks=160, slots=8, chunk=512, rows=2048, model_len=2048
+):
     return EngineConfig(
         cache=CacheConfig(
             block_size=block_size, num_kv_blocks=blocks, kv_cache_dtype=kv_cache_dtype
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=slots,
-            max_model_len=2048,
+            max_model_len=model_len,
             prefill_chunk=chunk,
             max_num_batched_tokens=rows,
         ),
@@ -106,3 +109,22 @@ def test_every_block_size(configuration, block_size):
     if configuration.exact and block_size != 32:
         reference, _, _ = answers(loaded, config(configuration.kv_cache_dtype), prompts)
         assert tokens == reference
+
+
+def test_a_context_filled_to_its_last_position(configuration):
+    """Prompt and answer take every position of the context (1,024 here: the 33rd block's
+    last slot); one more position is refused at the door."""
+    from kvserve.request import InvalidRequest
+
+    configuration, loaded = configuration
+    prompt = [2000 + (5 * i) % 9000 for i in range(1000)]
+    engine_config = config(configuration.kv_cache_dtype, model_len=1024, blocks=40)
+    tokens, reasons, _ = answers(loaded, engine_config, [prompt], max_tokens=24)
+    assert reasons == ["length"] and len(tokens[0]) == 24
+
+    async def too_long(engine):
+        with pytest.raises(InvalidRequest):
+            engine.submit(request(prompt, max_tokens=25))
+        return engine.is_idle()
+
+    assert run_engine(loaded, engine_config, too_long)

@@ -1,9 +1,10 @@
 """No leaks, property-tested: any interleaving of submits, cancels (queued, prefilling,
-decoding), slow consumers, stop strings, max_tokens and queue timeouts, over prompts that share
-a prefix (with or without a cache salt), asking for one answer or several, in a pool small
-enough that cached blocks are evicted and reused, drains to an idle engine: every block free or
-cached-free with no reference, every slot free, the queue empty, no task or thread left behind,
-and every request ended exactly once with its own tokens.
+decoding, waiting for a grammar, in the middle of a grammar), slow consumers, stop strings,
+max_tokens, queue timeouts and structured output, over prompts that share a prefix (with or
+without a cache salt), asking for one answer or several, in a pool small enough that cached
+blocks are evicted and reused, drains to an idle engine: every block free or cached-free with
+no reference, every slot free, the queue empty, no task or thread left behind, and every
+request ended exactly once with its own tokens.
 
 Runs in float32: there a row's logits do not depend on its batch mates, so "its own tokens" can
 be checked exactly against the request run alone (in bf16, near-tied tokens may flip with the
@@ -18,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.engine.engine import Engine
+from kvserve.params import StructuredOutput
 from kvserve.request import QueueFull, RequestCancelled
 from tests.engine.helpers import make_config, request
 
@@ -33,7 +35,8 @@ WORDS = [
     "market",
     "garden",
 ]
-FINISH_REASONS = {"stop", "length", "cancelled", "slow_consumer", "queue_timeout"}
+FINISH_REASONS = {"stop", "length", "cancelled", "slow_consumer", "queue_timeout", "queue_full"}
+# (queue_full: the queue filled while the request's grammar compiled)
 
 behaviours = st.sampled_from(
     ["read", "read", "slow", "cancel_now", "cancel_at_step", "cancel_after_tokens"]
@@ -49,30 +52,41 @@ request_specs = st.fixed_dictionaries(
         "shared": st.booleans(),  # starts with the prefix every shared prompt starts with
         "salt": st.sampled_from([None, None, "tenant"]),
         "n": st.sampled_from([1, 1, 2]),
+        "constrained": st.sampled_from([False, False, True]),
     }
 )
 
+# A language of several words, so a cancel or max_tokens lands in the middle of it.
+GRAMMAR = StructuredOutput.regex(r"(river|stone|light|paper)( (river|stone|light|paper)){0,12}")
 
-_REFERENCE: dict[tuple[int, ...], list[int]] = {}
+
+_REFERENCE: dict[tuple[tuple[int, ...], bool], list[int]] = {}
 
 
-def reference_tokens(loaded, prompt_ids: tuple[int, ...]) -> list[int]:
+def reference_tokens(loaded, prompt_ids: tuple[int, ...], constrained: bool) -> list[int]:
     """Greedy tokens for the prompt run alone on a fresh engine (cached across examples)."""
-    if prompt_ids not in _REFERENCE:
+    key = (prompt_ids, constrained)
+    if key not in _REFERENCE:
 
         async def alone():
             engine = Engine(make_config(slots=1, blocks=8, max_model_len=128), loaded)
             await engine.start()
             try:
                 stream = engine.submit(
-                    request(prompt_ids, max_tokens=10, temperature=0, ignore_eos=True)
+                    request(
+                        prompt_ids,
+                        max_tokens=10,
+                        temperature=0,
+                        ignore_eos=True,
+                        structured=GRAMMAR if constrained else None,
+                    )
                 )
                 return [t async for d in stream for t in d.token_ids]
             finally:
                 await engine.stop()
 
-        _REFERENCE[prompt_ids] = asyncio.run(alone())
-    return _REFERENCE[prompt_ids]
+        _REFERENCE[key] = asyncio.run(alone())
+    return _REFERENCE[key]
 
 
 def prompt(tokenizer, words: int, seed: int, shared: bool = False) -> list[int]:
@@ -97,6 +111,7 @@ async def drive(engine: Engine, tokenizer, index: int, spec: dict) -> dict:
         ignore_eos=spec["param"] % 2 == 0,
         n=spec["n"],
         cache_salt=spec["salt"],
+        structured=GRAMMAR if spec["constrained"] else None,
     )
     try:
         stream = engine.submit(req)
@@ -116,7 +131,12 @@ async def drive(engine: Engine, tokenizer, index: int, spec: dict) -> dict:
         deltas.append(delta)
         if behaviour == "cancel_after_tokens" and len(deltas) == spec["param"] + 1:
             engine.cancel(req.request_id)
-    return {"outcome": "streamed", "deltas": deltas, "prompt": req.prompt_token_ids}
+    return {
+        "outcome": "streamed",
+        "deltas": deltas,
+        "prompt": req.prompt_token_ids,
+        "constrained": spec["constrained"],
+    }
 
 
 # Derandomized: CI explores the same 25 interleavings every run, so a failure reproduces
@@ -173,7 +193,7 @@ def test_any_interleaving_drains_to_an_idle_engine(loaded_fp32, specs):
             assert isinstance(final.error, RequestCancelled)
         # Its own tokens, never another request's: what each answer got is what the prompt
         # gets alone (greedy, so all n answers are that one).
-        expected = reference_tokens(loaded_fp32, result["prompt"])
+        expected = reference_tokens(loaded_fp32, result["prompt"], result["constrained"])
         for index in range(spec["n"]):
             answer = [t for d in deltas if d.index == index for t in d.token_ids]
             assert len(answer) <= spec["max_tokens"]

@@ -167,19 +167,25 @@ def test_n_answers_reserve_all_or_nothing_and_a_cancel_ends_all(loaded_fp32):
     assert run_engine(loaded_fp32, config, body) == ("cancelled", True)
 
 
-def test_offline_api_returns_n_outputs_with_summed_usage(loaded_fp32):
+def test_offline_api_returns_n_outputs_from_one_prefill(loaded_fp32):
     from kvserve.engine.llm import LLM
     from kvserve.sampling import SamplingParams
 
     ids = words(loaded_fp32.tokenizer, 30, 11)
     params = SamplingParams(max_tokens=4, temperature=0.8, seed=3, n=2, ignore_eos=True)
-    with LLM(config=make_config(slots=2, blocks=32, max_model_len=256), loaded=loaded_fp32) as llm:
+    config = make_config(slots=2, blocks=32, max_model_len=256)
+    with LLM(config=config, loaded=loaded_fp32, record_steps=True) as llm:
         (result,) = llm.generate([ids], params)
+        prefill_rows = sum(
+            num_tokens
+            for record in llm.engine.step_log
+            for _, _, num_tokens, is_prefill in record.chunks
+            if is_prefill
+        )
         (alone,) = llm.generate(
             [ids], SamplingParams(max_tokens=4, temperature=0.8, seed=4, ignore_eos=True)
         )
     assert [o.index for o in result.outputs] == [0, 1]
     assert all(len(o.token_ids) == 4 and o.finish_reason == "length" for o in result.outputs)
-    assert result.token_ids == result.outputs[0].token_ids
-    assert result.usage.completion_tokens == 8
-    assert result.outputs[1].token_ids == alone.token_ids  # answer 1 draws from seed + 1
+    assert prefill_rows == len(ids)  # the prompt was computed once for both answers
+    assert result.outputs[1].token_ids == alone.outputs[0].token_ids  # answer 1: seed + 1

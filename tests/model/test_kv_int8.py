@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.bench.quality import chunk_logits
 from kvserve.config import CacheConfig
 from kvserve.model import native
 from kvserve.model.kv_cache import KVCache, bytes_per_block, choose_pool_size
 from tests.engine.helpers import collect, make_config, request, run_engine, tokens_of
 from tests.engine.test_engine import chat_ids
-from tests.model.test_quant import TEXT, _all_logits, _perplexity
+from tests.model.test_quant import follows_float32
 
 CPU = torch.device("cpu")
 
@@ -140,26 +141,14 @@ def test_unknown_kv_cache_dtype_is_refused():
         CacheConfig(kv_cache_dtype="fp8")
 
 
-def _follows_float32(loaded, loaded_fp32) -> None:
-    """On English text, the model on an int8 cache predicts the float32 model's next token at
-    >= 90% of positions, with a perplexity within 3%."""
-    ids = loaded_fp32.tokenizer.encode(TEXT)
-    exact = _all_logits(loaded_fp32.model, ids)
-    got = _all_logits(loaded.model, ids, cache_dtype=torch.int8)
-    agree = (exact.argmax(-1) == got.argmax(-1)).float().mean().item()
-    assert agree >= 0.9, agree
-    ratio = _perplexity(got, ids) / _perplexity(exact, ids)
-    assert ratio < 1.03, ratio
-
-
 @needs_kernels
-def test_bf16_model_on_int8_cache_follows_float32(loaded_default, loaded_fp32):
-    _follows_float32(loaded_default, loaded_fp32)
+def test_bf16_model_on_int8_cache_follows_float32(loaded_bf16, loaded_fp32):
+    follows_float32(loaded_bf16, loaded_fp32, torch.int8)
 
 
 @needs_kernels
 def test_int8_model_on_int8_cache_follows_float32(loaded_int8, loaded_fp32):
-    _follows_float32(loaded_int8, loaded_fp32)
+    follows_float32(loaded_int8, loaded_fp32, torch.int8)
 
 
 @needs_kernels
@@ -228,8 +217,8 @@ def test_qk_norm_model_on_an_int8_cache_follows_its_float_cache(tmp_path):
     )
     assert model.supports_int8_kv_cache
     ids = list(range(3, 70))
-    exact = _all_logits(model, ids)
-    quantized = _all_logits(model, ids, torch.int8)
+    exact = torch.cat(list(chunk_logits(model, ids)))
+    quantized = torch.cat(list(chunk_logits(model, ids, cache_dtype=torch.int8)))
     cosine = F.cosine_similarity(exact, quantized, dim=-1)
     assert float(cosine.min()) > 0.99
 

@@ -134,8 +134,8 @@ def test_prefill_rows_share_a_table_and_are_causal_by_length(dtype, block_size):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_forward_matches_plain_forward(loaded_fp32, loaded_default, dtype):
-    loaded = loaded_fp32 if dtype == "float32" else loaded_default
+def test_fused_forward_matches_plain_forward(loaded_fp32, loaded_bf16, dtype):
+    loaded = loaded_fp32 if dtype == "float32" else loaded_bf16
     model = loaded.model
     assert model.fused
     ids = loaded.tokenizer.encode("The fused path and the plain path compute the same layer.")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.bench.quality import chunk_logits, score_tokens
 from kvserve.model import native, quant
 from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
@@ -244,32 +244,27 @@ def test_topk_rows():
 # -- the model ----------------------------------------------------------------------------------
 
 
-def _all_logits(model, ids: list[int], cache_dtype: torch.dtype | None = None) -> torch.Tensor:
-    blocks = list(range(-(-len(ids) // 32)))
-    cache = KVCache(model.config, len(blocks), 32, cache_dtype or model.dtype, CPU)
-    meta = build_metadata([Chunk(0, len(ids), blocks, True)], 32, CPU, native=model.native)
-    meta.logits_indices = torch.arange(len(ids))
-    return model.forward(torch.tensor(ids), meta, cache).float()
+def _all_logits(model, ids: list[int]) -> torch.Tensor:
+    """Float32 logits of every position, through the paged forward (one chunk up to 512)."""
+    return torch.cat(list(chunk_logits(model, ids)))
 
 
-def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
-    targets = torch.tensor(ids[1:])
-    nll = -logits[:-1].log_softmax(-1).gather(1, targets[:, None]).mean()
-    return math.exp(float(nll))
+def follows_float32(loaded, loaded_fp32, cache_dtype: torch.dtype | None = None) -> None:
+    """On English text the model predicts nearly what the float32 model does: the same next
+    token at >= 90% of positions and a perplexity within 3%."""
+    ids = loaded_fp32.tokenizer.encode(TEXT)
+    assert len(ids) >= 120
+    exact = score_tokens(loaded_fp32.model, ids)
+    got = score_tokens(loaded.model, ids, cache_dtype=cache_dtype)
+    agree = got.agreement(exact)
+    assert agree >= 0.9, agree
+    ratio = got.perplexity / exact.perplexity
+    assert ratio < 1.03, ratio
 
 
 @needs_kernels
 def test_int8_model_follows_float32(loaded_fp32, loaded_int8):
-    """On English text the int8 model predicts nearly what the float32 model does: the same
-    next token at >= 90% of positions and a perplexity within 3%."""
-    ids = loaded_fp32.tokenizer.encode(TEXT)
-    assert len(ids) >= 120
-    exact = _all_logits(loaded_fp32.model, ids)
-    int8 = _all_logits(loaded_int8.model, ids)
-    agree = (exact.argmax(-1) == int8.argmax(-1)).float().mean().item()
-    assert agree >= 0.9, agree
-    ratio = _perplexity(int8, ids) / _perplexity(exact, ids)
-    assert ratio < 1.03, ratio
+    follows_float32(loaded_int8, loaded_fp32)
 
 
 @needs_kernels
@@ -365,6 +360,16 @@ def test_auto_reasons_where_the_cpu_kernels_cannot_run():
         "none",
         "asked for",
     )
+
+
+def test_auto_keeps_a_dtype_asked_for_by_name(loaded_default):
+    """`--dtype float32` asks for the float path: auto keeps it, and says so."""
+    from kvserve.model.loader import choose_quantization
+
+    choice = choose_quantization(
+        "auto", ["F32", "Q4_1"], loaded_default.config, CPU, torch.float32, dtype_asked=True
+    )
+    assert choice == ("none", "auto: --dtype float32 asked for, kept")
 
 
 def test_unknown_quantization_is_refused():

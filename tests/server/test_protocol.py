@@ -73,16 +73,16 @@ def test_strings_are_not_numbers():
 
 
 def test_extras_are_kept_for_classification():
-    request = _chat(user="u", tools=[], foo={"bar": 1})
-    assert set(request.model_extra) == {"user", "tools", "foo"}
+    request = _chat(user="u", functions=[], foo={"bar": 1})
+    assert set(request.model_extra) == {"user", "functions", "foo"}
 
 
 @pytest.mark.parametrize(
     ("extras", "refused"),
     [
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": {"name": "f"}}, "function_call"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"user": "x", "echo": True}, "echo"),
         ({"suffix": "end"}, "suffix"),
         ({"best_of": 2}, "best_of"),
@@ -100,9 +100,8 @@ def test_harmless_extras_are_ignored_and_listed():
     extras = {
         "user": "x",
         "metadata": {},
-        "tools": [],
-        "tool_choice": "none",
-        "response_format": {"type": "text"},
+        "functions": [],
+        "function_call": "none",
         "echo": False,
         "best_of": 1,
         "something_new": 1,

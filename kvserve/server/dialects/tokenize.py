@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from kvserve.server import schemas
 from kvserve.server.core import ServerState, in_thread, json_response
 from kvserve.server.dialects.openai import ChatMessage
 from kvserve.server.protocol import APIError, _Model
@@ -33,10 +34,20 @@ class DetokenizeRequest(_Model):
     tokens: list[int]
 
 
+BODIES = {("post", "/tokenize"): TokenizeRequest, ("post", "/detokenize"): DetokenizeRequest}
+"""Each route's JSON body, for the API's description."""
+
+
 def register(app: FastAPI, state: ServerState) -> None:
     """Add the routes."""
 
-    @app.post("/tokenize")
+    @app.post(
+        "/tokenize",
+        responses={
+            200: schemas.json_response(schemas.TokenizeResponse),
+            **schemas.error_responses(400, 401, 404, 413, 503),
+        },
+    )
     async def tokenize(request: Request) -> Response:
         exchange, engine, body = await state.accept(request, TokenizeRequest)
         tokenizer = engine.tokenizer
@@ -44,7 +55,10 @@ def register(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.prompt is not None:
             text, add_bos = body.prompt, tokenizer.add_bos and body.add_special_tokens
-            token_ids = await in_thread(lambda: tokenizer.encode(text, add_bos=add_bos))
+            # The ids /v1/completions would use for this prompt: control tokens parsed.
+            token_ids = await in_thread(
+                lambda: tokenizer.encode(text, add_bos=add_bos, parse_special=True)
+            )
         else:
             messages = [message.model_dump(exclude_none=True) for message in body.messages or ()]
             generation_prompt = body.add_generation_prompt
@@ -58,7 +72,13 @@ def register(app: FastAPI, state: ServerState) -> None:
             {"tokens": token_ids, "count": len(token_ids), "max_model_len": engine.max_model_len}
         )
 
-    @app.post("/detokenize")
+    @app.post(
+        "/detokenize",
+        responses={
+            200: schemas.json_response(schemas.DetokenizeResponse),
+            **schemas.error_responses(400, 401, 404, 413, 503),
+        },
+    )
     async def detokenize(request: Request) -> Response:
         exchange, engine, body = await state.accept(request, DetokenizeRequest)
         tokenizer = engine.tokenizer

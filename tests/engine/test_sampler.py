@@ -8,15 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from kvserve.sampling import (
-    MAX_LOGPROBS,
-    MAX_STOP_STRINGS,
-    RowState,
-    Sampler,
-    SamplingParams,
-    SamplingParamsError,
-    make_generator,
-)
+from kvserve.engine.sampler import RowState, Sampler, make_generator
+from kvserve.params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, SamplingParamsError
 
 # A hand-made distribution over 8 tokens, most likely first, placed on shuffled token ids so that
 # nothing depends on the likely tokens having small ids.

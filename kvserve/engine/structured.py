@@ -1,0 +1,231 @@
+"""Structured output: grammars compiled off the engine thread, one matcher per request, and
+the step's bitmasks filled in one batched call.
+
+The grammar engine is llguidance (docs/structured-output.md has the measurements behind the
+choice). Its pieces map onto the engine like this:
+
+- `StructuredOutputManager.compile` turns a request's `StructuredOutput` into a compiled
+  grammar on a worker thread (never the engine loop's), and caches it by kind and text, so a
+  schema sent twice is compiled once. A grammar the library refuses fails the future with
+  `GrammarError`, carrying the library's reason and the request field it came from.
+- `StructuredOutputManager.matcher` gives each request its own `GrammarState` (a copy of the
+  compiled matcher: cheap, no recompilation). The engine keeps it on the request's state,
+  advances it with every sampled token, and drops it in its one release path.
+- `fill_bitmasks` fills the bitmasks of every constrained row of a step in one call that runs
+  in llguidance's own threads; the sampler applies them with a C kernel before drawing.
+
+llguidance allows an end-of-sequence token only where the grammar accepts, so a constrained
+answer can only end complete (or be cut by max_tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.torch as llguidance_torch
+import torch
+
+from kvserve.params import StructuredOutput
+from kvserve.tokenizer import Tokenizer
+
+log = logging.getLogger("kvserve.engine")
+
+MAX_CACHED_GRAMMARS = 256
+"""Compiled grammars kept, least recently used dropped first."""
+
+# JSON is generated compact (no whitespace between tokens), which bounds the whitespace a
+# model can emit: in JSON mode a small model would otherwise loop on newlines.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class GrammarError(ValueError):
+    """The grammar engine refused a constraint; `param` names the request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class GrammarState:
+    """One request's position in its grammar. Advanced on the engine loop between steps and
+    read by the sampler during a step, never both at once."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False when the grammar does not allow it."""
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def is_stopped(self) -> bool:
+        """Nothing but the end of the answer can follow."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+
+def grammar_text(constraint: StructuredOutput) -> str:
+    """The llguidance grammar for a constraint (not yet checked: compiling checks it)."""
+    kind, spec = constraint.kind, constraint.spec
+    if kind == "json":
+        try:
+            schema = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"the JSON schema is not JSON: {exc}", constraint.param) from None
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            {"type": "object"}, defaults=_JSON_OPTIONS
+        )
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec)
+    if kind == "choice":
+        choices = json.loads(spec)
+        # Lark string literals take JSON's escapes.
+        rule = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {rule}\n")
+    if kind == "grammar":
+        lark = spec
+        if "::=" in spec:
+            # GBNF (llama.cpp's and vLLM's EBNF dialect); llguidance translates it.
+            try:
+                lark = llguidance.gbnf_to_lark(spec)
+            except Exception as exc:
+                raise GrammarError(
+                    f"the grammar is not valid GBNF: {exc}", constraint.param
+                ) from None
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    raise GrammarError(f"unknown structured output kind {kind!r}", constraint.param)
+
+
+class StructuredOutputManager:
+    """Compiles and caches grammars for one tokenizer; hands out per-request matchers.
+
+    `vocab_size` is the model's (its logits' width), which may exceed the tokenizer's.
+    `compile` and `matcher` are called on the engine loop; compiling runs on one worker thread.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        *,
+        max_cached: int = MAX_CACHED_GRAMMARS,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._max_cached = max_cached
+        self._cache: OrderedDict[tuple[str, str], Future[llguidance.LLMatcher]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._worker: ThreadPoolExecutor | None = None
+
+    def _started_worker(self) -> ThreadPoolExecutor:
+        """The worker thread, started if needed; the caller holds the lock."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar")
+        return self._worker
+
+    def warm(self) -> Future:
+        """Build llguidance's view of the vocabulary (~0.4 s, once per tokenizer) on the worker
+        now, so the first constrained request does not pay for it."""
+        with self._lock:
+            return self._started_worker().submit(self._llg_tokenizer)
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        return _llg_tokenizer(self._tokenizer, self.vocab_size)
+
+    def compile(self, constraint: StructuredOutput) -> Future[llguidance.LLMatcher]:
+        """The compiled grammar of `constraint`: a done future when cached, else one that the
+        worker completes. A refused grammar fails it with `GrammarError`."""
+        key = constraint.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = self._started_worker().submit(self._compile, constraint)
+            self._cache[key] = future
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+        return future
+
+    def _compile(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
+        grammar = grammar_text(constraint)
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(
+                f"the {_describe(constraint.kind)} cannot be enforced: {matcher.get_error()}",
+                constraint.param,
+            )
+        return matcher
+
+    @staticmethod
+    def matcher(compiled: llguidance.LLMatcher) -> GrammarState:
+        """A fresh request's state in a compiled grammar."""
+        return GrammarState(compiled.deep_copy())
+
+    def close(self) -> None:
+        """Stop the worker thread once the compilation in progress (if any) finishes; a later
+        `compile` starts a new one. Compilations not started are cancelled (and dropped from
+        the cache)."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+            for key in [key for key, future in self._cache.items() if not future.done()]:
+                del self._cache[key]
+        if worker is not None:
+            worker.shutdown(wait=True, cancel_futures=True)
+
+
+@functools.lru_cache(maxsize=4)
+def _llg_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """llguidance's view of a vocabulary; built once per tokenizer (engines share models)."""
+    eos = sorted(tokenizer.eos_token_ids)
+    return llguidance.LLTokenizer(
+        tokenizer.backend_json(), n_vocab=vocab_size, eos_token=eos if eos else None
+    )
+
+
+def _describe(kind: str) -> str:
+    return {
+        "json": "JSON schema",
+        "json_object": "JSON object format",
+        "regex": "regex",
+        "choice": "choice list",
+        "grammar": "grammar",
+    }.get(kind, kind)
+
+
+_executor: llguidance.LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _mask_executor() -> llguidance.LLExecutor:
+    global _executor
+    if _executor is None:
+        with _executor_lock:
+            if _executor is None:
+                _executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
+    return _executor
+
+
+def fill_bitmasks(grammars: Sequence[GrammarState], vocab_size: int) -> torch.Tensor:
+    """The next-token bitmasks of these grammars, `[len(grammars), ceil(vocab / 32)]` int32,
+    filled in one call across llguidance's threads (the GIL is released meanwhile)."""
+    bitmask = llguidance_torch.allocate_token_bitmask(len(grammars), vocab_size)
+    llguidance_torch.fill_next_token_bitmask_par(
+        _mask_executor(), [(grammar.matcher, i) for i, grammar in enumerate(grammars)], bitmask
+    )
+    return bitmask

@@ -1,0 +1,488 @@
+"""OpenAI Responses: `POST /v1/responses`, stateless.
+
+`input` (a string, or message / `function_call` / `function_call_output` items) and
+`instructions` become a chat-template conversation; function `tools` go to the template. Nothing
+is stored (`store` is treated as false), so `previous_response_id` is refused by name.
+
+The answer is a `response` whose `output` holds a `message` item with `output_text` (and a
+`function_call` item per call found), with `usage` and `status` (`completed`, or `incomplete`
+with `incomplete_details` when `max_output_tokens` ran out). Streamed, every event carries its
+`sequence_number`: `response.created`, `response.in_progress`, then per item
+`response.output_item.added`, `response.content_part.added`, `response.output_text.delta`...,
+`response.output_text.done`, `response.content_part.done`, `response.output_item.done` (function
+calls: `response.function_call_arguments.delta` / `.done`), and last `response.completed` with
+the whole response, its status and usage. An error after the stream began is
+`response.failed`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from kvserve.engine.stream import Delta, Usage
+from kvserve.params import SamplingParams
+from kvserve.server import schemas
+from kvserve.server.core import ServerState
+from kvserve.server.core import sampling_params as core_sampling_params
+from kvserve.server.dialects.function_tools import (
+    FunctionTool,
+    Piece,
+    ToolCall,
+    ToolCallParser,
+    ToolChoice,
+    encode_conversation,
+    output_pieces,
+    require_schema,
+    tool_call_schema,
+)
+from kvserve.server.protocol import APIError, _Model, dumps
+
+__all__ = ["PATHS", "ResponsesRendering", "ResponsesRequest", "register"]
+
+PATHS = ("/v1/responses",)
+
+_PARAM_NAMES = {"prompt": "input", "max_tokens": "max_output_tokens"}
+
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+
+
+class ResponsesRequest(_Model):
+    """`POST /v1/responses`."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, Any] | None = None
+    # vLLM's extension, as on the OpenAI routes: generate all max tokens, past the stop token.
+    ignore_eos: bool | None = None
+
+
+def _refused(extras: Mapping[str, Any]) -> tuple[list[str], APIError | None]:
+    """Responses extras that would change the answer are refused; the rest are reported."""
+    ignored: list[str] = []
+    for name, value in extras.items():
+        if name in ("conversation", "prompt", "background", "reasoning", "top_logprobs") and value:
+            return ignored, APIError(400, f"'{name}' is not supported", param=name)
+        ignored.append(name)
+    return ignored, None
+
+
+# --------------------------------------------------------------------------------------------
+# Request to conversation
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"'{where}' must be a string or a list of parts", param=where)
+    texts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise APIError(
+                400, f"'{where}[{index}]': only text parts are supported, got {kind!r}", param=where
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def conversation(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request as chat-template messages (the OpenAI chat shape templates know)."""
+    messages: list[dict[str, Any]] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        messages.append({"role": "user", "content": body.input})
+        return messages
+    for index, item in enumerate(body.input):
+        where = f"input[{index}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise APIError(400, f"'{where}.role' is not a known role", param=f"{where}.role")
+            text = _content_text(item.get("content"), f"{where}.content")
+            messages.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "function_call":
+            call_id, name = item.get("call_id"), item.get("name")
+            arguments = item.get("arguments")
+            if not all(isinstance(v, str) for v in (call_id, name, arguments)):
+                raise APIError(
+                    400, f"'{where}': a function_call needs call_id, name, arguments", param=where
+                )
+            call = {"id": call_id, "type": "function", "function": {"name": name}}
+            call["function"]["arguments"] = _json_or_text(arguments)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str) or not isinstance(output, str):
+                raise APIError(
+                    400, f"'{where}': a function_call_output needs call_id and output", param=where
+                )
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        else:
+            raise APIError(400, f"'{where}': {kind!r} items are not supported", param=where)
+    return messages
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+def tool_setup(body: ResponsesRequest) -> tuple[list[FunctionTool], ToolChoice]:
+    tools = []
+    for index, tool in enumerate(body.tools or ()):
+        where = f"tools[{index}]"
+        if tool.get("type") != "function":
+            raise APIError(400, f"'{where}.type': only function tools are supported", param=where)
+        name, parameters = tool.get("name"), tool.get("parameters") or {}
+        if not isinstance(name, str) or not isinstance(parameters, Mapping):
+            raise APIError(400, f"'{where}': a function tool needs a name", param=where)
+        tools.append(FunctionTool(name, tool.get("description"), parameters))
+    raw = body.tool_choice
+    if raw is None or raw == "auto":
+        return tools, ToolChoice("auto")
+    if raw == "none":
+        return tools, ToolChoice("none")
+    if not tools:
+        raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+    if raw == "required":
+        return tools, ToolChoice("required")
+    if isinstance(raw, Mapping) and raw.get("type") == "function":
+        if raw.get("name") not in {tool.name for tool in tools}:
+            raise APIError(400, "'tool_choice.name' names no tool", param="tool_choice")
+        return tools, ToolChoice("named", raw["name"])
+    raise APIError(
+        400, "'tool_choice' must be none, auto, required or a function", param="tool_choice"
+    )
+
+
+def sampling_params(body: ResponsesRequest, vocab_size: int) -> SamplingParams:
+    """The request's SamplingParams, validated; errors name the Responses field."""
+    return core_sampling_params(
+        vocab_size,
+        _PARAM_NAMES,
+        max_tokens=body.max_output_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        ignore_eos=bool(body.ignore_eos),
+    )
+
+
+def _text_format(
+    body: ResponsesRequest, params: SamplingParams
+) -> tuple[dict[str, Any], SamplingParams]:
+    """The `text.format` asked for, and the params; a JSON answer goes to the structured-output
+    point."""
+    fmt = (body.text or {}).get("format") or {"type": "text"}
+    kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+    if kind == "text":
+        return dict(fmt), params
+    if kind == "json_schema":
+        schema = fmt.get("schema")
+        if not isinstance(schema, Mapping):
+            raise APIError(400, "'text.format.schema' must be an object", param="text.format")
+        return dict(fmt), require_schema(params, schema, param="text.format")
+    if kind == "json_object":
+        return dict(fmt), require_schema(params, {"type": "object"}, param="text.format")
+    raise APIError(
+        400, "'text.format.type' must be text, json_schema or json_object", param="text.format"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesRendering:
+    """One Responses answer, streamed (`kvserve.server.core.Rendering`) or whole.
+
+    `settings` are the request's own values the response object repeats (instructions,
+    max_output_tokens, temperature, tools, ...)."""
+
+    def __init__(
+        self, response_id: str, model: str, settings: Mapping[str, Any], *, tools: bool
+    ) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.settings = dict(settings)
+        self._parser = ToolCallParser("call_") if tools else None
+        self._items: list[dict[str, Any]] = []
+        self._open_message = False
+        self._sequence = 0
+
+    def _response(
+        self,
+        status: str,
+        *,
+        usage: Usage | None = None,
+        error: Any = None,
+        incomplete: bool = False,
+    ) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "model": self.model,
+            "output": self._items,
+            "parallel_tool_calls": True,
+            "previous_response_id": None,
+            "store": False,
+            **self.settings,
+            "usage": None if usage is None else _usage(usage),
+        }
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return f"event: {kind}\ndata: {dumps(data)}\n\n"
+
+    # -- the output, piece by piece ------------------------------------------------------------
+
+    def _add(self, piece: Piece, stream: bool) -> str:
+        """Add a piece to the output; the events saying so when streaming."""
+        out: list[str] = []
+        if isinstance(piece, ToolCall):
+            out.append(self._close_message(stream))
+            item = {
+                "type": "function_call",
+                "id": _item_id("fc"),
+                "call_id": piece.call_id,
+                "name": piece.name,
+                "arguments": piece.arguments,
+                "status": "completed",
+            }
+            index = len(self._items)
+            self._items.append(item)
+            if stream:
+                added = {**item, "arguments": "", "status": "in_progress"}
+                out.append(
+                    self._event("response.output_item.added", output_index=index, item=added)
+                )
+                ids = {"item_id": item["id"], "output_index": index}
+                out.append(
+                    self._event(
+                        "response.function_call_arguments.delta", **ids, delta=piece.arguments
+                    )
+                )
+                out.append(
+                    self._event(
+                        "response.function_call_arguments.done", **ids, arguments=piece.arguments
+                    )
+                )
+                out.append(self._event("response.output_item.done", output_index=index, item=item))
+            return "".join(out)
+        if not self._open_message:
+            if self._parser is not None and not piece.strip():
+                return ""  # no message for whitespace between calls
+            out.append(self._open(stream))
+        part = self._items[-1]["content"][0]
+        part["text"] += piece
+        if stream:
+            out.append(
+                self._event(
+                    "response.output_text.delta",
+                    item_id=self._items[-1]["id"],
+                    output_index=len(self._items) - 1,
+                    content_index=0,
+                    delta=piece,
+                    logprobs=[],
+                )
+            )
+        return "".join(out)
+
+    def _open(self, stream: bool) -> str:
+        self._open_message = True
+        item = {
+            "type": "message",
+            "id": _item_id("msg"),
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
+        }
+        self._items.append(item)
+        if not stream:
+            return ""
+        index = len(self._items) - 1
+        return self._event(
+            "response.output_item.added", output_index=index, item={**item, "content": []}
+        ) + self._event(
+            "response.content_part.added",
+            item_id=item["id"],
+            output_index=index,
+            content_index=0,
+            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+        )
+
+    def _close_message(self, stream: bool) -> str:
+        if not self._open_message:
+            return ""
+        self._open_message = False
+        item = self._items[-1]
+        item["status"] = "completed"
+        if not stream:
+            return ""
+        index = len(self._items) - 1
+        part = item["content"][0]
+        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return (
+            self._event("response.output_text.done", **ids, text=part["text"], logprobs=[])
+            + self._event("response.content_part.done", **ids, part=part)
+            + self._event("response.output_item.done", output_index=index, item=item)
+        )
+
+    def _finish(self, final: Delta, stream: bool) -> str:
+        out = [
+            self._add(piece, stream)
+            for piece in output_pieces(self._parser, final.text, final=True)
+        ]
+        if not self._items:
+            out.append(self._open(stream))  # an empty answer is still a message
+        out.append(self._close_message(stream))
+        return "".join(out)
+
+    # -- streaming -----------------------------------------------------------------------------
+
+    def head(self) -> str:
+        response = self._response("in_progress")
+        return self._event("response.created", response=response) + self._event(
+            "response.in_progress", response=response
+        )
+
+    def frames(self, delta: Delta) -> str:
+        return "".join(
+            self._add(piece, True) for piece in output_pieces(self._parser, delta.text, final=False)
+        )
+
+    def tail(self, final: Delta) -> str:
+        out = self._finish(final, True)
+        return out + self._event("response.completed", response=self.response(final))
+
+    def error_tail(self, error: APIError) -> str:
+        failed = self._response(
+            "failed", error={"code": error.code or error.error_type, "message": error.message}
+        )
+        return self._event("response.failed", response=failed)
+
+    # -- whole ---------------------------------------------------------------------------------
+
+    def add(self, delta: Delta) -> None:
+        if delta.finished:
+            self._finish(delta, False)
+            return
+        for piece in output_pieces(self._parser, delta.text, final=False):
+            self._add(piece, False)
+
+    def response(self, final: Delta) -> dict[str, Any]:
+        incomplete = final.finish_reason == "length"
+        return self._response(
+            "incomplete" if incomplete else "completed", usage=final.usage, incomplete=incomplete
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Routes
+
+
+BODIES = {("post", "/v1/responses"): ResponsesRequest}
+"""The route's JSON body, for the API's description."""
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    """Add the route."""
+
+    @app.post(
+        "/v1/responses",
+        responses={
+            200: schemas.stream_response(schemas.ResponseObject, schemas.ResponseEvent),
+            **schemas.error_responses(400, 401, 404, 413, 429, 503),
+        },
+    )
+    async def responses(request: Request) -> Response:
+        exchange, engine, body = await state.accept(request, ResponsesRequest, _refused)
+        if body.previous_response_id is not None:
+            raise APIError(
+                400,
+                "'previous_response_id': this server stores no responses; send the whole "
+                "conversation in 'input'",
+                param="previous_response_id",
+            )
+        params = sampling_params(body, engine.model_config.vocab_size)
+        text_format, params = _text_format(body, params)
+        tools, choice = tool_setup(body)
+        if choice.forced:
+            params = require_schema(params, tool_call_schema(tools, choice), param="tool_choice")
+        messages = conversation(body)
+        if not messages:
+            raise APIError(400, "'input' must hold at least one item", param="input")
+        prompt_ids = await encode_conversation(
+            engine.tokenizer, messages, tools, choice, param="input"
+        )
+        settings = {
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "text": {"format": text_format},
+            "tool_choice": body.tool_choice or "auto",
+            "tools": body.tools or [],
+        }
+        rendering = ResponsesRendering(
+            f"resp_{exchange.request_id}",
+            state.model_name or "",
+            settings,
+            tools=bool(tools) and choice.mode != "none",
+        )
+        return await state.generate(
+            request,
+            exchange,
+            prompt_ids,
+            params,
+            rendering,
+            stream=bool(body.stream),
+            param_names=_PARAM_NAMES,
+        )

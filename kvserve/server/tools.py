@@ -1,0 +1,468 @@
+"""Tool calling: request validation, the prompt, the constraint, and the parsers per template
+family.
+
+The entry point every dialect uses is `plan_tools(tools, tool_choice)`: it validates OpenAI
+function tools and a tool choice and returns a `ToolPlan`, whose `constraint` (a
+`StructuredOutput`, or None) rides on the engine request's `SamplingParams.structured`:
+
+- `none`: no tools reach the model; the answer is text;
+- `auto`: the tools reach the model, which answers in its own tool-call syntax; the text is
+  parsed afterwards (a parser per chat-template family, `--tool-call-parser`), and text that is
+  not a call stays content;
+- `required`: the answer is constrained to a JSON array of one or more calls,
+  ``[{"name": <enum of the tools>, "parameters": <that tool's schema>}, ...]`` (vLLM's shape);
+- a named function: the answer is constrained to that function's `parameters` schema, and is
+  the call's arguments.
+
+Enforced parameter schemas are closed (`additionalProperties: false` where unsaid), as OpenAI's
+strict function calling does.
+
+Tools reach the model through the chat template's `tools` variable. A template that never
+reads it gets `FALLBACK_TOOL_PROMPT` as (the start of) the system message instead, and its
+conversation history is rewritten in the same Hermes syntax: an assistant message's
+`tool_calls` become `<tool_call>` blocks in its content, a `role: "tool"` message becomes a user
+message holding `<tool_response>` (docs/structured-output.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.params import SamplingParamsError, StructuredOutput
+from kvserve.server.protocol import APIError
+
+__all__ = [
+    "FALLBACK_TOOL_PROMPT",
+    "TOOL_CALL_PARSERS",
+    "HermesToolParser",
+    "ToolCall",
+    "ToolPlan",
+    "parse_tool_choice",
+    "plan_tools",
+    "tool_prompt",
+]
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+FALLBACK_TOOL_PROMPT = (
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+"""The system prompt that teaches a model whose template has no `tools` variable the Hermes
+tool-call syntax (as Qwen2.5's and Hermes' templates write it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One call: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The OpenAI `tool_calls[]` entry."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """What a request's tools and tool choice mean for generation and for the answer.
+
+    `choice` is "none", "auto", "required" or "named" (then `name` is the function);
+    `constraint` is what the sampler must enforce (None for none/auto); `tools` are the
+    validated OpenAI tool objects.
+    """
+
+    tools: tuple[Mapping[str, Any], ...]
+    choice: str
+    name: str | None = None
+    constraint: StructuredOutput | None = None
+    parser: str = "hermes"
+
+    @property
+    def offers_tools(self) -> bool:
+        """Whether the model is shown the tools."""
+        return self.choice != "none" and bool(self.tools)
+
+    @property
+    def schemas(self) -> dict[str, Mapping[str, Any]]:
+        return {tool["function"]["name"]: _parameters(tool) for tool in self.tools}
+
+
+def _parameters(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+    parameters = tool["function"].get("parameters")
+    return parameters if parameters is not None else {"type": "object", "properties": {}}
+
+
+def closed_schema(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object that lists its properties
+    and says nothing about others. Enforced arguments then hold only the declared parameters:
+    left open, a small model invents keys until max_tokens."""
+    if isinstance(schema, list):
+        return [closed_schema(item) for item in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    closed = {key: closed_schema(value) for key, value in schema.items()}
+    if "properties" in closed and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
+
+
+def _validate_tools(tools: Any, param: str) -> tuple[Mapping[str, Any], ...]:
+    if not isinstance(tools, list) or not tools:
+        raise APIError(400, f"'{param}' must be a non-empty list of function tools", param=param)
+    names: set[str] = set()
+    for index, tool in enumerate(tools):
+        where = f"{param}[{index}]"
+        if not isinstance(tool, Mapping) or tool.get("type") != "function":
+            raise APIError(
+                400, f"'{where}' must be {{'type': 'function', 'function': {{...}}}}", param=where
+            )
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            raise APIError(400, f"'{where}.function' must be an object", param=f"{where}.function")
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise APIError(
+                400,
+                f"'{where}.function.name' must be 1-64 letters, digits, '_' or '-'",
+                param=f"{where}.function.name",
+            )
+        if name in names:
+            raise APIError(
+                400, f"'{where}.function.name': {name!r} is named twice", param=f"{where}.function"
+            )
+        names.add(name)
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise APIError(
+                400,
+                f"'{where}.function.parameters' must be a JSON schema object",
+                param=f"{where}.function.parameters",
+            )
+    return tuple(tools)
+
+
+def parse_tool_choice(
+    tool_choice: Any, names: Sequence[str], param: str = "tool_choice"
+) -> tuple[str, str | None]:
+    """("none" | "auto" | "required" | "named", function name or None)."""
+    if tool_choice is None:
+        return ("auto" if names else "none"), None
+    if isinstance(tool_choice, str):
+        if tool_choice in ("none", "auto", "required"):
+            if tool_choice != "none" and not names:
+                raise APIError(400, f"'{param}' {tool_choice!r} needs 'tools'", param=param)
+            return tool_choice, None
+        raise APIError(
+            400,
+            f"'{param}' must be 'none', 'auto', 'required' or a function, not {tool_choice!r}",
+            param=param,
+        )
+    if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function":
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(name, str):
+            raise APIError(400, f"'{param}.function.name' must be a string", param=param)
+        if name not in names:
+            known = ", ".join(names) if names else "no tools were given"
+            raise APIError(
+                400,
+                f"'{param}' names {name!r}, which is not among the tools ({known})",
+                param=param,
+            )
+        return "named", name
+    raise APIError(
+        400,
+        f"'{param}' must be 'none', 'auto', 'required' or "
+        "{'type': 'function', 'function': {'name': ...}}",
+        param=param,
+    )
+
+
+def plan_tools(
+    tools: Any,
+    tool_choice: Any,
+    *,
+    parallel_tool_calls: bool | None = None,
+    parser: str = "hermes",
+    tools_param: str = "tools",
+    choice_param: str = "tool_choice",
+) -> ToolPlan | None:
+    """Validate `tools` and `tool_choice` (OpenAI shapes); None when neither is given.
+
+    Raises APIError(400) naming the field. The plan's `constraint` goes into
+    `SamplingParams.structured`; with `parallel_tool_calls` false, `required` allows one call.
+    """
+    if tools is None and tool_choice is None:
+        return None
+    validated = _validate_tools(tools, tools_param) if tools is not None else ()
+    names = [tool["function"]["name"] for tool in validated]
+    choice, name = parse_tool_choice(tool_choice, names, choice_param)
+    plan = ToolPlan(validated, choice, name, parser=parser)
+    try:
+        if choice == "named":
+            schema = closed_schema(plan.schemas[name])
+            constraint = StructuredOutput.json_schema(schema, f"{tools_param}.function.parameters")
+        elif choice == "required":
+            items = {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {
+                            "name": {"const": tool_name},
+                            "parameters": closed_schema(schema),
+                        },
+                        "required": ["name", "parameters"],
+                        "additionalProperties": False,
+                    }
+                    for tool_name, schema in plan.schemas.items()
+                ]
+            }
+            array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
+            if parallel_tool_calls is False:
+                array["maxItems"] = 1
+            constraint = StructuredOutput.json_schema(array, tools_param)
+        else:
+            constraint = None
+    except SamplingParamsError as exc:
+        raise APIError(400, f"'{exc.param}': {exc.message}", param=exc.param) from None
+    return ToolPlan(validated, choice, name, constraint, parser)
+
+
+# --------------------------------------------------------------------------------------------
+# The prompt
+
+
+def template_reads_tools(template: str | None) -> bool:
+    """Whether a chat template uses its `tools` variable (else the fallback prompt is used)."""
+    return bool(template) and re.search(r"\btools\b", template) is not None
+
+
+def tool_prompt(
+    plan: ToolPlan | None,
+    messages: list[dict[str, Any]],
+    template: str | None,
+    template_kwargs: dict[str, Any],
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and template variables that show the tools (and tool history) to the model.
+
+    A template that reads `tools` gets them as its variable and the history as is; any other
+    gets the fallback system prompt and the history rewritten in Hermes syntax.
+    """
+    native = template_reads_tools(template)
+    if native:
+        if plan is not None and plan.offers_tools:
+            template_kwargs = {**template_kwargs, "tools": [dict(tool) for tool in plan.tools]}
+        return messages, template_kwargs
+    messages = [_hermes_history(message) for message in messages]
+    if plan is not None and plan.offers_tools:
+        listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in plan.tools)
+        prompt = FALLBACK_TOOL_PROMPT.format(tools=listing)
+        if messages and messages[0].get("role") == "system":
+            first = dict(messages[0])
+            first["content"] = f"{_text(first.get('content'))}\n\n{prompt}"
+            messages = [first, *messages[1:]]
+        else:
+            messages = [{"role": "system", "content": prompt}, *messages]
+    return messages, template_kwargs
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            part.get("text", "") for part in content if isinstance(part, Mapping)
+        )  # text parts
+    return str(content)
+
+
+def _hermes_history(message: dict[str, Any]) -> dict[str, Any]:
+    role = message.get("role")
+    if role == "assistant" and message.get("tool_calls"):
+        blocks = []
+        for call in message["tool_calls"]:
+            function = call.get("function", {}) if isinstance(call, Mapping) else {}
+            arguments = function.get("arguments", "{}")
+            try:
+                parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except json.JSONDecodeError:
+                parsed = arguments
+            body = json.dumps({"name": function.get("name"), "arguments": parsed})
+            blocks.append(f"<tool_call>\n{body}\n</tool_call>")
+        text = _text(message.get("content"))
+        content = "\n".join([text, *blocks] if text else blocks)
+        return {"role": "assistant", "content": content}
+    if role == "tool":
+        return {
+            "role": "user",
+            "content": f"<tool_response>\n{_text(message.get('content'))}\n</tool_response>",
+        }
+    return message
+
+
+# --------------------------------------------------------------------------------------------
+# Parsers of the model's own tool-call syntax (tool_choice "auto")
+
+
+class HermesToolParser:
+    """Hermes/Qwen syntax: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+
+    Fed text as it is generated, it returns what can be said so far: content that cannot be the
+    start of a call, and each call once its block closes. A block whose body is not a call
+    (not JSON, no name) stays content, tags included. Whitespace next to a call is layout, not
+    content; elsewhere trailing whitespace is held until more text shows which it is.
+    """
+
+    start = "<tool_call>"
+    end = "</tool_call>"
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._in_call = False
+        self._pending_space = ""
+        self._after_call = False
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        """New content strings and completed calls, in order."""
+        self._buffer += text
+        out: list[str | ToolCall] = []
+        while True:
+            if not self._in_call:
+                index = self._buffer.find(self.start)
+                if index >= 0:
+                    self._content(out, self._buffer[:index])
+                    self._buffer = self._buffer[index + len(self.start) :]
+                    self._in_call = True
+                    continue
+                keep = _partial_suffix(self._buffer, self.start)
+                self._content(out, self._buffer[: len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep :]
+                return out
+            index = self._buffer.find(self.end)
+            if index < 0:
+                return out
+            self._block(out, self._buffer[:index], closed=True)
+            self._buffer = self._buffer[index + len(self.end) :]
+            self._in_call = False
+
+    def finish(self) -> list[str | ToolCall]:
+        """Whatever is left once the answer has ended (an unclosed block may still be a call)."""
+        out: list[str | ToolCall] = []
+        if self._in_call:
+            self._block(out, self._buffer, closed=False)
+        else:
+            self._content(out, self._buffer)
+        if self._pending_space and not self._after_call:
+            out.append(self._pending_space)
+        self._pending_space = ""
+        self._buffer = ""
+        self._in_call = False
+        return out
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole answer: (content or None, calls)."""
+        items = self.feed(text) + self.finish()
+        content = "".join(item for item in items if isinstance(item, str))
+        calls = [item for item in items if isinstance(item, ToolCall)]
+        return (content or None), calls
+
+    def _content(self, out: list[str | ToolCall], text: str) -> None:
+        # Trailing whitespace waits: before a call it is layout and dropped, before more text
+        # it is content. Leading whitespace right after a call is layout too.
+        body = text.rstrip()
+        if body:
+            if self._after_call:
+                piece = body.lstrip()
+            else:
+                piece = self._pending_space + body
+                self._pending_space = ""
+            self._after_call = False
+            if piece:
+                out.append(piece)
+        self._pending_space += text[len(body) :]
+
+    def _block(self, out: list[str | ToolCall], body: str, *, closed: bool) -> None:
+        call = parse_call_json(body)
+        if call is None:
+            tail = self.end if closed else ""
+            self._content(out, f"{self.start}{body}{tail}")
+            return
+        self._pending_space = ""
+        self._after_call = True
+        self.calls.append(call)
+        out.append(call)
+
+
+def parse_call_json(body: str) -> ToolCall | None:
+    """``{"name": ..., "arguments": {...}}`` (or "parameters") as a call; None otherwise."""
+    try:
+        value = json.loads(body.strip())
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, Mapping) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(value["name"], text)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `tag`."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:length]):
+            return length
+    return 0
+
+
+TOOL_CALL_PARSERS: dict[str, type[HermesToolParser]] = {
+    "hermes": HermesToolParser,
+    "qwen": HermesToolParser,
+}
+"""`--tool-call-parser` values. Hermes is also what the fallback prompt teaches."""
+
+
+def parser_for(template: str | None, configured: str | None) -> str:
+    """The parser for a chat template: the configured one, else by template family (every
+    family known here writes Hermes syntax, and templates without tools get the Hermes
+    fallback prompt)."""
+    if configured:
+        return configured
+    return "hermes"
+
+
+def parse_required(text: str) -> list[ToolCall] | None:
+    """The calls of a `required` answer (a JSON array of {name, parameters}); None when the
+    text is not one (cut by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, list):
+        return None
+    calls = []
+    for item in value:
+        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
+            return None
+        calls.append(
+            ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False))
+        )
+    return calls
