@@ -3,6 +3,8 @@
 - OpenAI's `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}`
   (any JSON object), `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`
   (the schema is always enforced, whatever `strict` says);
+- OpenAI Responses' `text.format`: `{"type": "text"}`, `{"type": "json_object"}`,
+  `{"type": "json_schema", "name", "schema", "strict"}` (the same meanings, flattened);
 - vLLM's `structured_outputs`: one of `json` (a schema, as an object or as JSON text), `regex`,
   `choice` (a list of strings), `grammar` (Lark, or GBNF with ``::=`` rules), or
   `json_object: true`. vLLM's tuning options (`disable_fallback`, `disable_any_whitespace`,
@@ -22,7 +24,13 @@ from typing import Any
 from kvserve.params import SamplingParamsError, StructuredOutput
 from kvserve.server.protocol import APIError
 
-__all__ = ["STRUCTURED_KINDS", "from_response_format", "from_structured_outputs", "structured"]
+__all__ = [
+    "STRUCTURED_KINDS",
+    "from_response_format",
+    "from_structured_outputs",
+    "from_text_format",
+    "structured",
+]
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 """The kinds of vLLM's `structured_outputs`, one per request."""
@@ -67,6 +75,30 @@ def from_response_format(value: Any, param: str = "response_format") -> Structur
         400,
         f"'{param}.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}",
         param=f"{param}.type",
+    )
+
+
+def from_text_format(value: Any, param: str = "text.format") -> StructuredOutput | None:
+    """OpenAI Responses' `text.format`; None for text. Every refusal names `param`, the
+    grammar engine's too."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise APIError(400, f"'{param}' must be an object", param=param)
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput.json_object(param)
+    if kind == "json_schema":
+        schema = value.get("schema")
+        if not isinstance(schema, Mapping):
+            raise APIError(400, f"'{param}.schema' must be a JSON schema object", param=param)
+        return _shaped(lambda: StructuredOutput.json_schema(schema, param))
+    raise APIError(
+        400,
+        f"'{param}.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}",
+        param=param,
     )
 
 
