@@ -66,10 +66,14 @@ _ERROR_TYPES = {
 
 
 def error_body(error: APIError) -> dict[str, Any]:
-    """`{"type": "error", "error": {"type", "message"}}` as Anthropic sends it."""
+    """`{"type": "error", "error": {"type", "message"}}` as Anthropic sends it. The shape has
+    no `param`, so the message names the field when it does not already."""
+    message = error.message
+    if error.param and error.param not in message:
+        message = f"'{error.param}': {message}"
     return {
         "type": "error",
-        "error": {"type": _ERROR_TYPES.get(error.status, "api_error"), "message": error.message},
+        "error": {"type": _ERROR_TYPES.get(error.status, "api_error"), "message": message},
     }
 
 
