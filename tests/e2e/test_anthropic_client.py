@@ -347,18 +347,36 @@ def test_a_full_tool_round_trip(client, model):
     assert final.content[0].text.strip()
 
 
-def test_auto_gives_text_or_parsed_tool_use(client, model):
-    message = client.messages.create(
-        model=model, max_tokens=80, messages=ASK, tools=FORCED_TOOLS, extra_body=GREEDY
-    )
-    calls = [block for block in message.content if block.type == "tool_use"]
-    texts = "".join(block.text for block in message.content if block.type == "text")
-    if calls:
-        assert message.stop_reason in ("tool_use", "max_tokens")
-        assert all(isinstance(block.input, dict) for block in calls)
-    else:
-        assert message.stop_reason in ("end_turn", "max_tokens")
-    assert "<tool_call>" not in texts or message.stop_reason == "max_tokens"
+# An earlier call in the history shows the small model the tool-call syntax, so that with
+# tool_choice auto it writes a <tool_call> of its own.
+LEAD_TO_A_CALL = [
+    *ASK,
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+        ],
+    },
+    {"role": "user", "content": "What is the weather in Rome?"},
+]
+
+
+def test_auto_reads_the_models_own_tool_call(client, model):
+    request = {
+        "model": model,
+        "max_tokens": 60,
+        "messages": LEAD_TO_A_CALL,
+        "tools": TOOLS,
+        "extra_body": GREEDY,
+    }
+    message = client.messages.create(**request)
+    with client.messages.stream(**request) as stream:
+        final = stream.get_final_message()
+    for answer in (message, final):
+        assert answer.stop_reason == "tool_use"
+        calls = [block for block in answer.content if block.type == "tool_use"]
+        assert [(c.name, c.input) for c in calls] == [("get_weather", {"city": "Rome"})]
+        assert all("<tool_call>" not in b.text for b in answer.content if b.type == "text")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])

@@ -392,14 +392,40 @@ def test_a_full_function_call_round_trip(client, model):
     assert final.output_text.strip()
 
 
-def test_auto_gives_text_or_parsed_calls(client, model):
-    response = client.responses.create(
-        model=model, input=ASK, tools=TOOLS, max_output_tokens=80, temperature=0
-    )
-    for item in response.output:
-        if item.type == "function_call":
-            json.loads(item.arguments)
-    assert "<tool_call>" not in response.output_text or response.status == "incomplete"
+def test_auto_reads_the_models_own_function_call(client, model):
+    # An earlier call in the history shows the small model the tool-call syntax, so that with
+    # tool_choice auto it writes a <tool_call> of its own.
+    history = [
+        {"role": "user", "content": ASK},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+        },
+        {"role": "user", "content": "What is the weather in Rome?"},
+    ]
+    tools = [
+        {**TOOLS[0], "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    ]
+    request = {
+        "model": model,
+        "input": history,
+        "tools": tools,
+        "max_output_tokens": 60,
+        "temperature": 0,
+    }
+    response = client.responses.create(**request)
+    with client.responses.stream(**request) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds
+    for answer in (response, final):
+        calls = [item for item in answer.output if item.type == "function_call"]
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Rome"})
+        ]
+        assert "<tool_call>" not in answer.output_text
 
 
 BAD_FORMATS = [
