@@ -18,7 +18,7 @@ when it compiles, and its refusal is a 400 naming the same field. Nothing here i
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvserve.params import SamplingParamsError, StructuredOutput
@@ -50,17 +50,9 @@ _HARMLESS_OPTIONS = frozenset(
 
 def from_response_format(value: Any, param: str = "response_format") -> StructuredOutput | None:
     """OpenAI's `response_format`; None for text."""
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise APIError(400, f"'{param}' must be an object", param=param)
-    kind = value.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutput.json_object(param)
-    if kind == "json_schema":
-        spec = value.get("json_schema")
+
+    def json_schema(fmt: Mapping[str, Any]) -> StructuredOutput:
+        spec = fmt.get("json_schema")
         if not isinstance(spec, Mapping):
             raise APIError(
                 400,
@@ -71,16 +63,32 @@ def from_response_format(value: Any, param: str = "response_format") -> Structur
         if schema is None:
             return StructuredOutput.json_object(f"{param}.json_schema")
         return _shaped(lambda: StructuredOutput.json_schema(schema, f"{param}.json_schema.schema"))
-    raise APIError(
-        400,
-        f"'{param}.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}",
-        param=f"{param}.type",
-    )
+
+    return _json_format(value, param, json_schema, type_param=f"{param}.type")
 
 
 def from_text_format(value: Any, param: str = "text.format") -> StructuredOutput | None:
-    """OpenAI Responses' `text.format`; None for text. Every refusal names `param`, the
-    grammar engine's too."""
+    """OpenAI Responses' `text.format` (the schema beside `type`, not under `json_schema`);
+    None for text. Every refusal names `param`, the grammar engine's too."""
+
+    def json_schema(fmt: Mapping[str, Any]) -> StructuredOutput:
+        schema = fmt.get("schema")
+        if not isinstance(schema, Mapping):
+            raise APIError(400, f"'{param}.schema' must be a JSON schema object", param=param)
+        return _shaped(lambda: StructuredOutput.json_schema(schema, param))
+
+    return _json_format(value, param, json_schema, type_param=param)
+
+
+def _json_format(
+    value: Any,
+    param: str,
+    json_schema: Callable[[Mapping[str, Any]], StructuredOutput],
+    *,
+    type_param: str,
+) -> StructuredOutput | None:
+    """An OpenAI format object: `text` (None), `json_object`, or `json_schema` (read by
+    `json_schema`, as each API nests the schema differently)."""
     if value is None:
         return None
     if not isinstance(value, Mapping):
@@ -91,14 +99,11 @@ def from_text_format(value: Any, param: str = "text.format") -> StructuredOutput
     if kind == "json_object":
         return StructuredOutput.json_object(param)
     if kind == "json_schema":
-        schema = value.get("schema")
-        if not isinstance(schema, Mapping):
-            raise APIError(400, f"'{param}.schema' must be a JSON schema object", param=param)
-        return _shaped(lambda: StructuredOutput.json_schema(schema, param))
+        return json_schema(value)
     raise APIError(
         400,
         f"'{param}.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}",
-        param=param,
+        param=type_param,
     )
 
 

@@ -7,16 +7,15 @@ it sends the same key as a bearer token, so the two dialects answer the same pro
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
 
 import anthropic
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel, Field
 
 from kvserve.config import ServerConfig
 from tests.e2e.dialects import ANTHROPIC
+from tests.e2e.tool_schemas import ARGS, DESCRIPTIONS
 
 pytestmark = pytest.mark.slow
 
@@ -223,30 +222,26 @@ def test_tool_history_renders_as_the_chat_dialect_renders_it(client, server, mod
 # Forced tool calls, under structured output
 
 
-class WeatherInput(BaseModel):
-    city: Annotated[str, Field(max_length=24)]
-    unit: Literal["celsius", "fahrenheit"]
-
-
-class TimeInput(BaseModel):
-    timezone: Annotated[str, Field(pattern=r"^[A-Z][a-z]{1,12}/[A-Z][a-z]{1,12}$")]
-
-
 FORCED_TOOLS = [
-    {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "input_schema": WeatherInput.model_json_schema(),
-    },
-    {
-        "name": "get_time",
-        "description": "The current time in a timezone.",
-        "input_schema": TimeInput.model_json_schema(),
-    },
+    {"name": name, "description": DESCRIPTIONS[name], "input_schema": args.model_json_schema()}
+    for name, args in ARGS.items()
 ]
-INPUTS = {"get_weather": WeatherInput, "get_time": TimeInput}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 FORCED_MAX_TOKENS = 200
+
+
+def named_call(client, model, name):
+    """A greedy call forced to the tool `name`; its one tool_use block, checked."""
+    message = client.messages.create(
+        model=model,
+        max_tokens=FORCED_MAX_TOKENS,
+        messages=ASK,
+        tools=FORCED_TOOLS,
+        tool_choice={"type": "tool", "name": name},
+        extra_body=GREEDY,
+    )
+    (call,) = check_tool_use(message, (name,))
+    return message, call
 
 
 def check_tool_use(message, names=("get_weather", "get_time")):
@@ -258,7 +253,7 @@ def check_tool_use(message, names=("get_weather", "get_time")):
         assert block.id.startswith("toolu_")
         assert block.name in names
         assert isinstance(block.input, dict)
-        INPUTS[block.name].model_validate(block.input)
+        ARGS[block.name].model_validate(block.input)
     return blocks
 
 
@@ -317,15 +312,7 @@ def test_streamed_tool_use_matches_create(client, model, tool_choice):
 
 
 def test_a_full_tool_round_trip(client, model):
-    first = client.messages.create(
-        model=model,
-        max_tokens=FORCED_MAX_TOKENS,
-        messages=ASK,
-        tools=FORCED_TOOLS,
-        tool_choice={"type": "tool", "name": "get_weather"},
-        extra_body=GREEDY,
-    )
-    (call,) = check_tool_use(first, ("get_weather",))
+    first, call = named_call(client, model, "get_weather")
     history = [
         *ASK,
         {"role": "assistant", "content": [block.model_dump() for block in first.content]},
@@ -380,7 +367,7 @@ def test_auto_reads_the_models_own_tool_call(client, model):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_a_schema_the_grammar_engine_refuses_is_400(server, model, stream):
+def test_a_schema_the_grammar_engine_refuses_is_400(client, server, model, stream):
     bad = [
         {"name": "f", "input_schema": {"type": "object", "properties": {"x": {"type": "strin"}}}}
     ]
@@ -403,18 +390,7 @@ def test_a_schema_the_grammar_engine_refuses_is_400(server, model, stream):
     assert body["error"]["type"] == "invalid_request_error"
     assert "tools" in body["error"]["message"]
     # and the next forced call is served
-    message = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0)
-    check_tool_use(
-        message.messages.create(
-            model=model,
-            max_tokens=FORCED_MAX_TOKENS,
-            messages=ASK,
-            tools=FORCED_TOOLS,
-            tool_choice={"type": "tool", "name": "get_time"},
-            extra_body=GREEDY,
-        ),
-        ("get_time",),
-    )
+    named_call(client, model, "get_time")
 
 
 def test_unknown_model_is_not_found(client):

@@ -11,6 +11,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.e2e.dialects import RESPONSES
+from tests.e2e.tool_schemas import ARGS, DESCRIPTIONS
 
 pytestmark = pytest.mark.slow
 
@@ -268,30 +269,15 @@ def test_json_object_format_is_a_json_object(client, model):
         assert response.output_text.lstrip().startswith("{")
 
 
-class WeatherArgs(BaseModel):
-    city: Annotated[str, Field(max_length=24)]
-    unit: Literal["celsius", "fahrenheit"]
-
-
-class TimeArgs(BaseModel):
-    timezone: Annotated[str, Field(pattern=r"^[A-Z][a-z]{1,12}/[A-Z][a-z]{1,12}$")]
-
-
 TOOLS = [
     {
         "type": "function",
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": WeatherArgs.model_json_schema(),
-    },
-    {
-        "type": "function",
-        "name": "get_time",
-        "description": "The current time in a timezone.",
-        "parameters": TimeArgs.model_json_schema(),
-    },
+        "name": name,
+        "description": DESCRIPTIONS[name],
+        "parameters": args.model_json_schema(),
+    }
+    for name, args in ARGS.items()
 ]
-ARGS = {"get_weather": WeatherArgs, "get_time": TimeArgs}
 ASK = "What is the weather in Paris?"
 
 
