@@ -2,7 +2,8 @@
 
 The request's `system`, `messages` (text, `tool_use` and `tool_result` blocks) and `tools` become
 a chat-template conversation (tool calls as the assistant's `tool_calls`, results as `tool`
-messages). The answer is a `message` with content blocks, `stop_reason` (`end_turn`,
+messages); `tool_choice` `any` or a named tool forces a call, generated under structured output.
+The answer is a `message` with content blocks, `stop_reason` (`end_turn`,
 `max_tokens`, `stop_sequence` with the matched sequence, or `tool_use`) and `usage`; streamed, it
 is `message_start`, then per block `content_block_start` / `content_block_delta` /
 `content_block_stop`, then `message_delta` (stop reason, usage) and `message_stop`, every frame

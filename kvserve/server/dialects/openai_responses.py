@@ -1,8 +1,10 @@
 """OpenAI Responses: `POST /v1/responses`, stateless.
 
 `input` (a string, or message / `function_call` / `function_call_output` items) and
-`instructions` become a chat-template conversation; function `tools` go to the template. Nothing
-is stored (`store` is treated as false), so `previous_response_id` is refused by name.
+`instructions` become a chat-template conversation; function `tools` are shown to the model as
+the chat dialect shows them. `text.format` `json_schema` / `json_object`, and a `required` or
+named `tool_choice`, constrain the answer through structured output. Nothing is stored (`store`
+is treated as false), so `previous_response_id` is refused by name.
 
 The answer is a `response` whose `output` holds a `message` item with `output_text` (and a
 `function_call` item per call found), with `usage` and `status` (`completed`, or `incomplete`
