@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.model.paths import user_cache_dir
+
 log = logging.getLogger("kvserve.model")
 
 CSRC = Path(__file__).with_name("csrc")
@@ -66,10 +68,7 @@ def _cpu_key() -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve"
-    )
-    return Path(root) / "kernels"
+    return user_cache_dir() / "kernels"
 
 
 @cache
