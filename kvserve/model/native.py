@@ -626,7 +626,10 @@ def pack_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded = torch.zeros(blocks * INT8_BLOCK_COLS, k, dtype=torch.int8)
     padded[:n] = weight
     panels = padded.view(blocks, INT8_BLOCK_COLS, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    correction = (padded.to(torch.int32).sum(dim=1) * 128).to(torch.int32).contiguous()
+    # Row sums in float32 are exact here (|sum| <= 127 k < 2^24 for k <= 2^17) and several
+    # times faster than torch's integer reduction, which dominated packing a 1B model.
+    _require(k <= 1 << 17, f"cannot pack a [{n}, {k}] weight (k > 131072)")
+    correction = (padded.float().sum(dim=1) * 128).to(torch.int32).contiguous()
     return panels, correction
 
 
