@@ -212,7 +212,7 @@ class WeightCache:
             os.replace(tmp, path)  # atomic: readers see the old name absent or the whole file
             tmp = None
             return path
-        except (OSError, RuntimeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - safetensors' errors are plain Exceptions
             log.warning("could not write prepared weights to %s (%s)", path, exc)
             return None
         finally:
