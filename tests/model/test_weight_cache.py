@@ -195,3 +195,42 @@ def test_cli_flags_reach_the_device_config(tmp_path):
     assert (config.device.weight_cache_dir, config.device.weight_cache) == (str(tmp_path), False)
     config = engine_config_from_args(parser.parse_args([]))
     assert config.device.weight_cache is True
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("qwen2", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}),
+        ("qwen3", {"head_dim": 64}),
+    ],
+    ids=["qwen2-bias-untied", "qwen3-qk-norm"],
+)
+def test_biases_qk_norms_and_an_untied_head_round_trip(tmp_path, arch, overrides):
+    """What llama-shaped tiny files lack: q|k|v biases, q/k norms, a separate lm_head."""
+    from kvserve.model.llama import LlamaModel
+    from kvserve.model.safetensors import SafetensorsCheckpoint
+    from kvserve.model.weight_cache import WeightCache
+    from tests.model.test_safetensors import save_tiny, tiny_config
+
+    save_tiny(tmp_path / "model", tiny_config(arch, **overrides))
+    checkpoint = SafetensorsCheckpoint(tmp_path / "model")
+    config = checkpoint.config
+    model = LlamaModel.from_tensors(
+        config, checkpoint.get, dtype=torch.float32, device=torch.device("cpu"), quantization="int8"
+    )
+    tensors, numbers = model.prepared_tensors()
+    assert "lm_head" in tensors
+    assert any(name.endswith(".bias") for name in tensors) == config.attention_bias
+    assert any(name.startswith("qk_norm.") for name in tensors) == config.qk_norm
+    cache = WeightCache(tmp_path / "cache")
+    assert cache.store("0" * 32, tensors, numbers) is not None
+    restored = LlamaModel.from_prepared(config, *cache.load("0" * 32))
+    ids = list(range(5, 40))
+
+    def logits(m):
+        kv = KVCache(config, 2, 32, torch.float32, torch.device("cpu"))
+        meta = build_metadata([Chunk(0, len(ids), [0, 1], True)], 32, torch.device("cpu"))
+        meta.logits_indices = torch.arange(len(ids))
+        return m.forward(torch.tensor(ids), meta, kv)
+
+    assert torch.equal(logits(restored), logits(model))
