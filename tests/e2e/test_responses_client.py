@@ -58,6 +58,23 @@ def test_create_matches_chat_and_reports_usage(client, model):
         assert response.status == "completed" and response.incomplete_details is None
 
 
+def test_a_repeated_prefix_is_reported_as_cached_input(client, model):
+    instructions = " ".join(f"Rule {i}: answer briefly and in plain words." for i in range(12))
+
+    def ask():
+        return client.responses.create(
+            model=model, instructions=instructions, input=INPUT, max_output_tokens=2
+        )
+
+    first, second = ask(), ask()
+    assert first.usage.input_tokens == second.usage.input_tokens > 64
+    # The second prompt's whole blocks were computed for the first: all but its last token's
+    # block come from the prefix cache, and the count is whole blocks.
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert cached >= second.usage.input_tokens - 32 and cached % 32 == 0
+    assert first.usage.input_tokens_details.cached_tokens <= cached
+
+
 def test_budget_running_out_is_incomplete(client, model):
     response = client.responses.create(
         model=model, input=INPUT, max_output_tokens=4, extra_body={"ignore_eos": True}
