@@ -77,6 +77,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         "(about 2x the throughput of bf16; see docs/serving.md)",
     )
     g.add_argument(
+        "--weight-cache-dir",
+        default=e("--weight-cache-dir", None),
+        help="where prepared int8 weights are cached and memory-mapped at the next start "
+        "(default: $XDG_CACHE_HOME/kvserve/prepared)",
+    )
+    g.add_argument(
+        "--no-weight-cache",
+        action="store_true",
+        default=e("--no-weight-cache", False, bool),
+        help="prepare the weights at every start; read and write no cache",
+    )
+    g.add_argument(
         "--threads",
         type=int,
         default=e("--threads", None, int),
@@ -109,6 +121,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         help="auto (default: int8 with int8 linear layers where its kernels run, else the "
         "model's dtype) | model: the model's dtype | int8: K and V rows as 8-bit integers with "
         "a scale each, half the memory and the reads of bf16 (CPU; see docs/serving.md)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=e("--enable-prefix-caching", True, bool),
+        help="reuse the KV of prompt blocks already computed for an earlier request with the "
+        "same prefix and cache_salt (--no-enable-prefix-caching turns it off)",
     )
     g = parser.add_argument_group("scheduling")
     g.add_argument("--max-num-seqs", type=int, default=e("--max-num-seqs", 8, int))
@@ -147,12 +166,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             dtype=args.dtype,
             num_threads=args.threads,
             quantization=args.quantization,
+            weight_cache=not args.no_weight_cache,
+            weight_cache_dir=args.weight_cache_dir,
         ),
         cache=CacheConfig(
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory,
             kv_cache_dtype=args.kv_cache_dtype,
+            enable_prefix_caching=args.enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

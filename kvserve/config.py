@@ -44,6 +44,11 @@ class DeviceConfig:
     # "auto" (int8 for an already quantized checkpoint where the CPU kernels run, else none) |
     # "none" (the model's dtype) | "int8" (int8 linear layers, kvserve/model/quant.py)
     quantization: str = "auto"
+    # Prepared int8 weights cached on disk and memory-mapped at the next start
+    # (kvserve/model/weight_cache.py); the directory defaults to $KVSERVE_WEIGHT_CACHE_DIR, else
+    # <user cache dir>/prepared.
+    weight_cache: bool = True
+    weight_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -62,6 +67,7 @@ class CacheConfig:
     # "auto" (see kvserve.model.kv_cache.choose_cache_dtype) | "model" (the model's dtype) |
     # "int8" (kvserve/model/csrc/kv_int8.c)
     kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True  # reuse the KV of published prompt blocks
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

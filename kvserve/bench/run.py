@@ -183,7 +183,21 @@ def viewer_section(args: argparse.Namespace) -> tuple[list[str], dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="model,engine,http,viewer", help="comma list of sections")
+    parser.add_argument(
+        "--only", default="model,engine,http,prefix,bigmodel,viewer", help="comma list of sections"
+    )
+    parser.add_argument(
+        "--skip-bigmodel",
+        action="store_true",
+        help="skip the 1B-shaped section (kvserve/bench/bigmodel_bench.py: generates about "
+        "2 GB of checkpoints on first use and takes minutes); the report says it was skipped",
+    )
+    parser.add_argument("--bigmodel-types", default="Q8_0,Q4_0", help="1B-shaped files to measure")
+    parser.add_argument(
+        "--prefix-requests", type=int, default=16, help="measured requests per shared-prefix run"
+    )
+    parser.add_argument("--prefix-conversations", type=int, default=8)
+    parser.add_argument("--prefix-turns", type=int, default=10)
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="auto", help="auto | none | int8 (linear layers)")
@@ -300,6 +314,47 @@ def main(argv: list[str] | None = None) -> int:
                     f"({r.output_throughput:.0f} / {engine.output_tok_s:.0f} out tok/s).  "
                 )
         out.append("")
+
+    if "prefix" in sections:
+        print("prefix cache benchmark...", flush=True)
+        from kvserve.bench.prefix_bench import format_prefix_table, run_prefix_bench
+
+        prefix_results = run_prefix_bench(
+            loaded,
+            num_requests=args.prefix_requests,
+            conversations=args.prefix_conversations,
+            turns=args.prefix_turns,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+        out += [
+            "### Prefix cache (engine, no HTTP; cache on and off in the same run)\n",
+            f"Shared prefix: a 1,200-token system prompt, distinct 64-token user turns, 32 output "
+            f"tokens, {args.prefix_requests} measured requests after one warm-up. Multi-turn: "
+            f"{args.prefix_conversations} conversations of {args.prefix_turns} turns (64-token "
+            "user turns, 32-token answers), each turn resending the whole history.\n",
+            format_prefix_table(prefix_results),
+            "",
+        ]
+        raw["prefix"] = [
+            {"workload": r.workload, "cache": r.cache, "ttfts": r.ttfts} for r in prefix_results
+        ]
+
+    if "bigmodel" in sections and args.skip_bigmodel:
+        print("1B-shaped benchmark: skipped (--skip-bigmodel)", flush=True)
+        out += ["### 1B-shaped model\n", "Skipped in this run (`--skip-bigmodel`).", ""]
+    elif "bigmodel" in sections:
+        print("1B-shaped benchmark...", flush=True)
+        from kvserve.bench.bigmodel_bench import run_bigmodel_bench
+
+        big_concurrencies = tuple(c for c in concurrencies if c <= 32) or (1,)
+        table, raw["bigmodel"] = run_bigmodel_bench(
+            tuple(args.bigmodel_types.split(",")), big_concurrencies
+        )
+        out += [
+            "### 1B-shaped model (synthetic Llama-3.2-1B shape, kvserve/bench/big_model.py)\n",
+            table,
+            "",
+        ]
 
     if "viewer" in sections:
         print("engine viewer benchmark...", flush=True)

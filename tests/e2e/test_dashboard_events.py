@@ -296,3 +296,44 @@ def test_with_no_viewer_the_hooks_read_nothing() -> None:
     events.on_rejected("queue_full")
     events.on_step(touch, 0.01)
     assert events.num_events == 0 and events.num_viewers == 0
+
+
+def test_shared_and_cached_blocks_are_marked(server_factory, engine_config, until) -> None:
+    server = server_factory(engine_config(max_num_seqs=NUM_SLOTS))
+    engine = server.state.engine
+    assert engine.pool.cache is not None  # prefix caching is on by default
+    reader = EventReader(server.url)
+    prompt = " ".join(build_prompts(1, 200, SEED)[0].split())  # several full blocks
+
+    def ask(max_tokens: int) -> None:
+        reply = httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
+            timeout=120,
+        )
+        assert reply.status_code == 200
+
+    try:
+        first = reader.wait_for(lambda e: True)
+        assert first["config"]["prefix_caching"] is True
+        ask(2)
+        until(lambda: server.call(engine.is_idle))
+        # Released, its prompt's full blocks stay cached, owned by nobody.
+        cached = reader.wait_for(lambda e: e["pool"]["cached_free"] and e["num_running"] == 0)
+        assert cached["pool"]["num_used"] == 0 and cached["pool"]["tables"] == {}
+        # Two at once: the second takes the first's cached blocks, and they share them.
+        threads = [threading.Thread(target=ask, args=(40,)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        shared = reader.wait_for(lambda e: e["num_running"] == 2 and e["pool"]["shared"])
+        tables = list(shared["pool"]["tables"].values())
+        both = set(tables[0]) & set(tables[1])
+        assert both and {int(b) for b in shared["pool"]["shared"]} == both
+        assert all(count == 2 for count in shared["pool"]["shared"].values())
+        for thread in threads:
+            thread.join(120)
+    finally:
+        reader.close()
+        server.stop()
+    text = "\n".join(reader.raw)
+    assert " ".join(prompt.split()[:4]) not in text
