@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -87,17 +89,7 @@ def http_bench(
     constrained results are the ones whose `config.response_format` is set)."""
     from kvserve.bench.loadgen import BenchConfig, format_table, run_benchmark
 
-    port = free_port()
-    env = dict(os.environ)
-    command = [
-        sys.executable,
-        "-m",
-        "kvserve",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+    with serving(
         "--max-num-seqs",
         str(max(concurrencies)),
         "--dtype",
@@ -106,22 +98,7 @@ def http_bench(
         quantization,
         "--kv-cache-dtype",
         kv_cache_dtype,
-    ]
-    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if server.poll() is not None:
-                raise RuntimeError(f"server exited: {server.stdout.read().decode()[-2000:]}")
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("server did not become ready")
+    ) as url:
         results = []
         runs = [(c, None) for c in concurrencies]
         runs += [(c, BENCH_FORMAT) for c in concurrencies if c in CONSTRAINED_CONCURRENCIES]
@@ -146,6 +123,32 @@ def http_bench(
             results.append(result)
         free = [r for r in results if r.config.response_format is None]
         return format_table(free), results
+
+
+@contextlib.contextmanager
+def serving(*flags: str) -> Iterator[str]:
+    """`kvserve serve FLAGS` on a free loopback port, ready; yields its URL, stops it after."""
+    port = free_port()
+    command = [sys.executable, "-m", "kvserve", "serve", "--host", "127.0.0.1"]
+    command += ["--port", str(port), *flags]
+    server = subprocess.Popen(
+        command, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise RuntimeError(f"server exited: {server.stdout.read().decode()[-2000:]}")
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("server did not become ready")
+        yield url
     finally:
         server.terminate()
         try:
@@ -154,10 +157,34 @@ def http_bench(
             server.kill()
 
 
+def viewer_section(args: argparse.Namespace) -> tuple[list[str], dict]:
+    """Throughput at 32 concurrent with no viewer and with one on the engine event stream."""
+    from kvserve.bench.viewer_bench import format_viewer_bench, run_viewer_bench
+
+    with serving(
+        "--max-num-seqs",
+        "32",
+        "--dtype",
+        args.dtype,
+        "--quantization",
+        args.quantization,
+        "--kv-cache-dtype",
+        args.kv_cache_dtype,
+    ) as url:
+        result = run_viewer_bench(url, concurrency=32)
+    print(f"  one viewer / none: {result.ratio:.1%}", flush=True)
+    lines = [
+        "### Watching the engine (`GET /v1/engine/events`, the dashboard's stream)\n",
+        format_viewer_bench(result),
+        "",
+    ]
+    return lines, {"ratio": result.ratio, "events": result.num_events}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make bench", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--only", default="model,engine,http,prefix,bigmodel", help="comma list of sections"
+        "--only", default="model,engine,http,prefix,bigmodel,viewer", help="comma list of sections"
     )
     parser.add_argument(
         "--skip-bigmodel",
@@ -328,6 +355,11 @@ def main(argv: list[str] | None = None) -> int:
             table,
             "",
         ]
+
+    if "viewer" in sections:
+        print("engine viewer benchmark...", flush=True)
+        lines, raw["viewer"] = viewer_section(args)
+        out += lines
 
     text = "\n".join(out)
     print(text)

@@ -4,6 +4,7 @@ middleware, and the probes.
     POST /v1/chat/completions   POST /v1/completions   POST /v1/responses   GET /v1/models
     POST /v1/messages   POST /v1/messages/count_tokens
     POST /tokenize   POST /detokenize   GET /health   GET /ready   GET /metrics
+    GET /v1/engine/events   GET /dashboard
 
 The request lifecycle every generating route shares is `kvserve.server.core`; each dialect
 (`kvserve.server.dialects`) adds its routes; `kvserve.server.middleware` guards them all.
@@ -27,8 +28,9 @@ from starlette.responses import Response
 
 from kvserve import __version__
 from kvserve.config import ServerConfig
-from kvserve.engine.engine import Engine
-from kvserve.server import schemas
+from kvserve.engine.engine import Engine, Observers
+from kvserve.engine.events import EngineEvents
+from kvserve.server import dashboard, schemas
 from kvserve.server.core import EngineFactory, Exchange, ServerState, json_response
 from kvserve.server.dialects import (
     anthropic_messages,
@@ -68,8 +70,12 @@ def create_app(
     (load the model there) while /health already answers and /ready says 503; once it returns
     the engine starts on the serving loop and `on_ready(engine)` is called. The app's state is
     `app.state.kvserve` (a ServerState)."""
+    events = EngineEvents()
     state = ServerState(
-        server_config, engine_factory, on_ready=on_ready, on_load_error=on_load_error
+        server_config,
+        lambda observer: engine_factory(Observers(observer, events)),
+        on_ready=on_ready,
+        on_load_error=on_load_error,
     )
 
     @asynccontextmanager
@@ -94,6 +100,7 @@ def create_app(
         openapi_url="/openapi.json",
     )
     app.state.kvserve = state
+    app.state.engine_events = events
 
     def error_response(request: Request, error: APIError) -> Response:
         body = state.error_body(request.url.path, error)
@@ -154,6 +161,7 @@ def create_app(
 
     for dialect in _DIALECTS:
         dialect.register(app, state)
+    dashboard.register(app, state, events)
 
     schemas.describe(app, {key: body for d in _DIALECTS for key, body in d.BODIES.items()})
     return app

@@ -27,6 +27,10 @@ access_log = logging.getLogger("kvserve.access")
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/docs"})
 """Probes, scrapes and the API's description stay open when --api-key is set."""
 
+OPEN_PAGES = frozenset({"/dashboard"})
+"""Pages that hold no data (a browser cannot send a key to load them); what they fetch is
+protected."""
+
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -108,7 +112,7 @@ class Gatekeeper:
             self._finish(exchange)
 
     def _authorize(self, scope: Mapping[str, Any]) -> APIError | None:
-        if self._expected is None or scope["path"] in OPEN_PATHS:
+        if self._expected is None or scope["path"] in OPEN_PATHS or scope["path"] in OPEN_PAGES:
             return None
         bearer = api_key = b""
         for name, value in scope.get("headers", ()):

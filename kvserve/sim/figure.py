@@ -1,7 +1,8 @@
 """The simulator's pictures: a self-contained interactive HTML page and a static PNG overview.
 
-The page embeds every scenario's frames as JSON and draws them with a few lines of plain
-JavaScript: no network, no CDN, so it opens from a file anywhere. The PNG shows, per scenario,
+The page embeds every scenario's frames as JSON and draws them with the components it shares
+with the live dashboard (kvserve/view), inlined: no network, no CDN, so it opens from a file
+anywhere. The PNG shows, per scenario,
 which request holds how much of the pool at each step and each request's timeline.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.sim.simulator import QUEUE_REASONS, SimulationResult, Workload
+from kvserve.view import inline_components
 
 # Distinguishable on white and on each other (Tableau 10 without its grey).
 PALETTE = (
@@ -61,7 +63,9 @@ def page_data(results: Sequence[SimulationResult]) -> dict[str, Any]:
 
 def render_html(results: Sequence[SimulationResult]) -> str:
     """One self-contained HTML page stepping through `results` side by side."""
-    template = resources.files("kvserve.sim").joinpath("page.html").read_text(encoding="utf-8")
+    template = inline_components(
+        resources.files("kvserve.sim").joinpath("page.html").read_text(encoding="utf-8")
+    )
     # "</" inside a <script> element would end it early; JSON allows the escaped form.
     data = json.dumps(page_data(results), separators=(",", ":")).replace("</", "<\\/")
     return template.replace("__SIM_DATA__", data)

@@ -8,7 +8,6 @@ The page must not reach the network, and a screenshot must show a drawing, not a
 from __future__ import annotations
 
 import io
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,18 +18,7 @@ from PIL import Image
 
 from kvserve.sim import DEFAULT_WORKLOAD, SimulationResult, simulate_all
 from kvserve.sim.figure import request_colors, write_html
-
-CHROMIUM = "/usr/bin/chromium"
-LAUNCH_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+from tests.sim.browser import browser  # noqa: F401  (a fixture)
 
 READ_STATE = """() => ({
   step: Number(document.getElementById("step-label").dataset.step),
@@ -80,27 +68,8 @@ def results() -> list[SimulationResult]:
     return simulate_all(DEFAULT_WORKLOAD)
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists() or shutil.which(CHROMIUM) is None:
-        pytest.fail(
-            f"Chromium is required for this test and was not found at {CHROMIUM}; "
-            "install Debian's package: apt-get install -y chromium"
-        )
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail("the 'playwright' package is required: pip install playwright")
-    with sync_playwright() as playwright:
-        instance = playwright.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
-        try:
-            yield instance
-        finally:
-            instance.close()
-
-
 @pytest.fixture
-def page(browser: Any, results: list[SimulationResult], tmp_path: Path) -> Iterator[Any]:
+def page(browser: Any, results: list[SimulationResult], tmp_path: Path) -> Iterator[Any]:  # noqa: F811
     path = write_html(tmp_path / "simulator.html", results)
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     page = context.new_page()

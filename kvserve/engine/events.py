@@ -1,0 +1,386 @@
+"""The live engine as a stream of events, for the dashboard: step-boundary snapshots and a
+bounded buffer per viewer.
+
+`EngineEvents` is an `EngineObserver`. With no viewer connected every hook returns at its first
+line, so the engine pays one attribute read per call. With viewers, the hooks record integers
+(request ids, counts, reasons; never prompt or answer text) and at most `max_rate` times a
+second the pending records are coalesced, together with a snapshot of the slots, the pool and
+the queue, into one JSON event that every viewer receives.
+
+Everything here runs on the engine loop's thread, the only thread that mutates the Scheduler,
+the BlockPool and the AdmissionQueue, so a snapshot never sees a half-made change: it shows the
+state after the last applied step (a step in flight on the device thread has not been applied
+yet). Snapshots are taken in `on_step`, right after a step is applied, when one is due; a timer
+takes them when steps stop (the engine went idle, or the last changes were admissions) and once
+a second while viewers are connected, so a quiet engine still shows its queue's waits.
+
+Each viewer has a buffer of at most `buffer_size` events. The engine never waits for a viewer:
+an event that finds the buffer full drops that viewer (the rule the engine applies to a client
+that reads its tokens too slowly, applied to its own observers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvserve.engine.engine import EngineObserver
+
+if TYPE_CHECKING:
+    from kvserve.core import StepPlan
+    from kvserve.engine.engine import Engine, RequestState
+
+__all__ = ["EngineEvents", "Viewer", "engine_snapshot"]
+
+log = logging.getLogger("kvserve.engine.events")
+
+MAX_EVENTS_PER_SECOND = 10.0
+HEARTBEAT_SECONDS = 1.0
+DEFAULT_BUFFER_SIZE = 32
+MAX_STEPS_PER_EVENT = 64  # step compositions kept between two events (the newest ones)
+
+# Ends that refuse or drop a request, and the HTTP status the client saw (None: the answer had
+# started, so the stream ended with an error event instead of a status).
+REFUSALS = {
+    "queue_full": 429,
+    "queue_timeout": 429,
+    "cancelled": 499,
+    "slow_consumer": None,
+}
+
+
+class Viewer:
+    """One connected viewer: a bounded buffer of serialized events and a wake-up."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.dropped = False
+        self.closed = False
+        self.on_drop: Callable[[], None] | None = None  # called once if the engine drops it
+        self._buffer: deque[str] = deque()
+        self._ready = asyncio.Event()
+
+    def offer(self, text: str) -> bool:
+        """Append without waiting; False (and nothing appended) when the buffer is full."""
+        if len(self._buffer) >= self.capacity:
+            return False
+        self._buffer.append(text)
+        self._ready.set()
+        return True
+
+    def close(self) -> None:
+        """No more events: `next_batch` returns what is left, then None."""
+        self.closed = True
+        self._ready.set()
+
+    async def next_batch(self) -> list[str] | None:
+        """Every buffered event (waiting for at least one); None once closed and drained."""
+        while not self._buffer:
+            if self.closed:
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+        batch = list(self._buffer)
+        self._buffer.clear()
+        return batch
+
+
+def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
+    """The engine's slots, pool and queue as plain integers and ids (no text).
+
+    Call on the engine loop's thread. Pool blocks are listed by owner (`tables`); blocks held by
+    more than one owner appear in `shared` with their reference count, and blocks kept by the
+    prefix cache with no owner in `cached_free` (empty when prefix caching is off).
+    """
+    scheduler = engine.scheduler
+    pool = engine.pool
+    slots: list[dict[str, Any] | None] = [None] * engine.config.scheduler.max_num_seqs
+    running = scheduler.running if scheduler is not None else []
+    for seq in running:
+        slots[seq.slot] = {
+            "request_id": seq.request_id,
+            "phase": "prefill" if seq.is_prefilling else "decode",
+            "num_prompt_tokens": seq.num_prompt_tokens,
+            "num_computed": seq.num_computed,
+            "num_output": seq.num_output,
+            "max_tokens": seq.max_tokens,
+        }
+    tables: dict[str, list[int]] = {}
+    shared: dict[str, int] = {}
+    for owner in pool.owners():
+        table = pool.table(owner)
+        tables[owner] = list(table)
+        for block_id in table:
+            count = pool.refcount(block_id)
+            if count > 1:
+                shared[str(block_id)] = count
+    cache = getattr(pool, "cache", None)
+    cached_free = list(cache.cached_free_ids()) if cache is not None else []
+    queue = [
+        {
+            "request_id": waiter.request_id,
+            "num_prompt_tokens": waiter.num_prompt_tokens,
+            "waited_ms": round(1000 * (now - waiter.enqueued_at)),
+        }
+        for waiter in engine.queue.waiters
+    ]
+    return {
+        "step": engine.num_steps,
+        "num_running": len(running),
+        "num_waiting": len(queue),
+        "slots": slots,
+        "pool": {
+            "num_blocks": pool.num_blocks,
+            "block_size": pool.block_size,
+            "num_used": pool.num_used,
+            "num_free": pool.num_free,
+            "tables": tables,
+            "shared": shared,
+            "cached_free": cached_free,
+        },
+        "queue": queue,
+    }
+
+
+def engine_settings(engine: Engine) -> dict[str, Any]:
+    """The configuration a viewer needs to draw the engine (sent once, on connect)."""
+    config = engine.config
+    return {
+        "max_num_seqs": config.scheduler.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "prefill_chunk": config.scheduler.prefill_chunk,
+        "admission": config.scheduler.admission,
+        "num_blocks": engine.pool.num_blocks,
+        "block_size": engine.pool.block_size,
+        "max_model_len": engine.max_model_len,
+        "max_waiters": engine.queue.max_waiters,
+        "queue_timeout": config.queue.queue_timeout,
+        "prefix_caching": getattr(engine.pool, "cache", None) is not None,
+        "model": engine.loaded.name,
+    }
+
+
+class EngineEvents(EngineObserver):
+    """The engine observer behind `GET /v1/engine/events`: records while viewers are
+    connected, coalesces to at most `max_rate` events a second, drops viewers that fall
+    `buffer_size` events behind."""
+
+    def __init__(
+        self,
+        *,
+        max_rate: float = MAX_EVENTS_PER_SECOND,
+        buffer_size: int = DEFAULT_BUFFER_SIZE,
+        heartbeat: float = HEARTBEAT_SECONDS,
+    ) -> None:
+        if max_rate <= 0 or buffer_size < 1 or heartbeat <= 0:
+            raise ValueError("max_rate and heartbeat must be positive, buffer_size at least 1")
+        self.min_interval = 1.0 / max_rate
+        self.buffer_size = buffer_size
+        self.heartbeat = heartbeat
+        self.engine: Engine | None = None
+        self.num_events = 0
+        self.num_dropped = 0
+        self._viewers: list[Viewer] = []
+        self._last_sent = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._heartbeat: asyncio.TimerHandle | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._steps: deque[list[Any]] = deque(maxlen=MAX_STEPS_PER_EVENT)
+        self._admitted: list[dict[str, Any]] = []
+        self._finished: list[dict[str, Any]] = []
+        self._refused: list[dict[str, Any]] = []
+        self._num_tokens = 0
+        self._ttft: list[int] = []  # milliseconds, one per first token
+        self._itl_sum = 0.0
+        self._itl_count = 0
+        self._itl_max = 0.0
+
+    def bind(self, engine: Engine) -> None:
+        """Snapshot this engine from now on."""
+        self.engine = engine
+
+    @property
+    def num_viewers(self) -> int:
+        return len(self._viewers)
+
+    # -- viewers -------------------------------------------------------------------------------
+
+    def connect(self) -> Viewer:
+        """A new viewer, whose buffer already holds the snapshot event. On the loop thread."""
+        if self.engine is None:
+            raise RuntimeError("no engine is bound yet")
+        viewer = Viewer(self.buffer_size)
+        now = time.monotonic()
+        if not self._viewers:
+            self._reset()  # nothing recorded while nobody watched is pending
+            self._schedule_heartbeat()
+        event = {
+            "type": "snapshot",
+            "seq": self.num_events,
+            "time": now,
+            "wall": time.time(),
+            "config": engine_settings(self.engine),
+            **engine_snapshot(self.engine, now),
+        }
+        viewer.offer(json.dumps(event, separators=(",", ":")))
+        self._viewers.append(viewer)
+        return viewer
+
+    def disconnect(self, viewer: Viewer) -> None:
+        """The viewer left (idempotent)."""
+        viewer.close()
+        if viewer in self._viewers:
+            self._viewers.remove(viewer)
+        if not self._viewers:
+            self._cancel_timers()
+
+    def close_all(self) -> None:
+        """Close every viewer (the server is stopping)."""
+        for viewer in list(self._viewers):
+            self.disconnect(viewer)
+
+    def _cancel_timers(self) -> None:
+        for handle in (self._timer, self._heartbeat):
+            if handle is not None:
+                handle.cancel()
+        self._timer = self._heartbeat = None
+
+    # -- engine hooks (loop thread) ------------------------------------------------------------
+
+    def on_admitted(self, state: RequestState) -> None:
+        if not self._viewers:
+            return
+        queued = (state.admitted_at or state.request.arrival_time) - state.request.arrival_time
+        self._admitted.append(
+            {
+                "request_id": state.request_id,
+                "num_prompt_tokens": state.num_prompt_tokens,
+                "queued_ms": round(1000 * queued),
+            }
+        )
+        self._soon()
+
+    def on_token(self, state: RequestState, now: float, num_tokens: int = 1) -> None:
+        if not self._viewers:
+            return
+        self._num_tokens += num_tokens
+        if state.last_token_at is None:
+            self._ttft.append(round(1000 * (now - state.request.arrival_time)))
+        else:
+            gap = now - state.last_token_at
+            self._itl_sum += gap
+            self._itl_count += 1
+            self._itl_max = max(self._itl_max, gap)
+
+    def on_finished(self, state: RequestState) -> None:
+        if not self._viewers:
+            return
+        reason = state.finish_reason or "unknown"
+        self._finished.append(
+            {
+                "request_id": state.request_id,
+                "reason": reason,
+                "num_prompt_tokens": state.num_prompt_tokens,
+                "num_output_tokens": state.num_output_tokens,
+            }
+        )
+        if reason in REFUSALS and reason != "queue_full":
+            self._refused.append(
+                {"request_id": state.request_id, "reason": reason, "status": REFUSALS[reason]}
+            )
+        self._soon()
+
+    def on_rejected(self, reason: str) -> None:
+        # Only a full queue refuses before a request is registered; the other reasons end a
+        # registered request and are reported with its id by on_finished.
+        if not self._viewers or reason != "queue_full":
+            return
+        self._refused.append({"request_id": None, "reason": reason, "status": 429})
+        self._soon()
+
+    def on_step(self, plan: StepPlan, seconds: float) -> None:
+        if not self._viewers:
+            return
+        self._steps.append(
+            [
+                plan.step,
+                round(1000 * seconds, 2),
+                [[c.request_id, c.num_tokens, c.is_prefill] for c in plan.chunks],
+            ]
+        )
+        if time.monotonic() - self._last_sent >= self.min_interval:
+            self._flush()  # the step boundary: the usual place for a snapshot
+        else:
+            self._soon()
+
+    # -- coalescing ----------------------------------------------------------------------------
+
+    def _soon(self) -> None:
+        """Make sure an event goes out within the rate limit even if no step follows."""
+        if self._timer is not None:
+            return
+        delay = max(0.0, self._last_sent + self.min_interval - time.monotonic())
+        self._timer = asyncio.get_running_loop().call_later(delay, self._flush)
+
+    def _schedule_heartbeat(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._heartbeat = loop.call_later(self.heartbeat, self._beat)
+
+    def _beat(self) -> None:
+        self._heartbeat = None
+        if not self._viewers:
+            return
+        if self.engine is not None and not self.engine.running:
+            self.close_all()  # the engine stopped: end the streams so the server can stop
+            return
+        if time.monotonic() - self._last_sent >= self.heartbeat * 0.5:
+            self._flush()
+        self._schedule_heartbeat()
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._viewers or self.engine is None:
+            return
+        now = time.monotonic()
+        self.num_events += 1
+        event = {
+            "type": "update",
+            "seq": self.num_events,
+            "time": now,
+            "wall": time.time(),
+            "interval": round(now - self._last_sent, 4) if self._last_sent else None,
+            **engine_snapshot(self.engine, now),
+            "steps": list(self._steps),
+            "admitted": self._admitted,
+            "finished": self._finished,
+            "refused": self._refused,
+            "num_tokens": self._num_tokens,
+            "ttft_ms": self._ttft,
+            "itl_ms": {
+                "count": self._itl_count,
+                "mean": round(1000 * self._itl_sum / self._itl_count, 2)
+                if self._itl_count
+                else None,
+                "max": round(1000 * self._itl_max, 2),
+            },
+        }
+        self._last_sent = now
+        self._reset()
+        text = json.dumps(event, separators=(",", ":"))
+        for viewer in list(self._viewers):
+            if not viewer.offer(text):
+                log.info("an engine viewer fell %d events behind; dropping it", viewer.capacity)
+                viewer.dropped = True
+                self.num_dropped += 1
+                self.disconnect(viewer)
+                if viewer.on_drop is not None:
+                    viewer.on_drop()
