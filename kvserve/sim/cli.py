@@ -1,6 +1,6 @@
 """`kvserve simulate`: run the scheduling simulator and print, draw or save what it did.
 
-kvserve simulate                         # the three scenarios' tables
+kvserve simulate                         # every scenario's table
 kvserve simulate --html simulator.html   # plus the interactive page
 kvserve simulate --png simulator.png     # plus the static overview
 kvserve simulate --print-workload > w.json; kvserve simulate --workload w.json
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scenario",
         action="append",
         choices=[scenario.name for scenario in SCENARIOS],
-        help="run only this scenario (repeatable; default: all three)",
+        help="run only this scenario (repeatable; default: all of them)",
     )
     group = parser.add_argument_group("engine constants (override the workload's)")
     group.add_argument("--max-num-seqs", type=int, metavar="N", help="slots")

@@ -10,8 +10,11 @@ Each simulated step is the engine's loop with the forward pass left out:
 
 Every rule (whom to admit, which rows a step holds, when the pool runs dry) is the core's; this
 module only supplies arrivals, decides when a request has produced its whole answer, and
-records what the scheduler did. The three scenarios differ only in the `SchedulerConfig` they
-hand to the core.
+records what the scheduler did. The scenarios differ only in the `SchedulerConfig` they hand
+to the core and, for the fourth, in a pool that caches prefixes: there each request's prompt
+is a list of token ids (the `shared_prefix` leading ones common to every request that has
+them), its full blocks are published once computed, and a later prompt that starts the same
+way takes them by reference instead of computing them.
 
 Time is counted in steps. A request arriving at step `a` is at the door before step `a` plans;
 a token sampled in step `s` exists once step `s` ends. Its time to first token is therefore
@@ -33,6 +36,7 @@ from kvserve.core import (
     BlockPool,
     Infeasible,
     Outcome,
+    Prompt,
     Scheduler,
     StepPlan,
     Waiter,
@@ -56,7 +60,9 @@ class RequestSpec:
     """One simulated request.
 
     `answer_length` is how many tokens it produces before it stops by itself; `max_tokens` is
-    the answer budget it names (the reserve), `answer_length` when None.
+    the answer budget it names (the reserve), `answer_length` when None. Its first
+    `shared_prefix` prompt tokens are the workload's common prefix (a system prompt every such
+    request repeats); the rest are its own.
     """
 
     request_id: str
@@ -64,6 +70,7 @@ class RequestSpec:
     num_prompt_tokens: int
     answer_length: int
     max_tokens: int | None = None
+    shared_prefix: int = 0
 
     def __post_init__(self) -> None:
         if self.arrival_step < 0:
@@ -74,6 +81,8 @@ class RequestSpec:
             raise ValueError(f"{self.request_id}: answer_length must be >= 1")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"{self.request_id}: max_tokens must be >= 1")
+        if not 0 <= self.shared_prefix <= self.num_prompt_tokens:
+            raise ValueError(f"{self.request_id}: shared_prefix must be in [0, num_prompt_tokens]")
 
     @property
     def budget(self) -> int:
@@ -118,7 +127,11 @@ class Workload:
         """The workload as plain JSON-ready data (the format `load_workload` reads)."""
         data = asdict(self)
         data["requests"] = [
-            {key: value for key, value in asdict(request).items() if value is not None}
+            {
+                key: value
+                for key, value in asdict(request).items()
+                if value is not None and not (key == "shared_prefix" and value == 0)
+            }
             for request in self.requests
         ]
         return data
@@ -156,7 +169,7 @@ class Workload:
 
 # The default workload: seven requests arriving one after another into four slots and a pool of
 # 12 blocks of 4 positions (48 positions). Every request fits the pool on its own; together they
-# do not, so the three scenarios part ways:
+# do not, so the scenarios part ways:
 # - request-level batching: r1 (a long prompt) is alone at step 0 and forms a batch of one;
 #   r2-r4 arrive while it runs and wait for it to finish, then r5-r7 wait for r2-r4.
 # - continuous batching with reservation: each request is admitted once a slot and blocks for
@@ -164,14 +177,18 @@ class Workload:
 #   waits for a batch, and all seven return.
 # - continuous batching on a free slot alone: every request is admitted at once; at step 11 the
 #   pool is empty, four half-done sequences each need one more block, and none can ever finish.
+# - reservation with prefix caching: r4, r5 and r6 start with the same 8 tokens (two blocks, a
+#   shared system prompt). Once r4 has computed them, r5 and r6 take those two blocks by
+#   reference: each reserves two blocks fewer and prefills only the rest, so r5 is admitted a
+#   step sooner and both get their first token sooner; r7 finds room four steps sooner.
 DEFAULT_WORKLOAD = Workload(
     requests=(
         RequestSpec("r1", arrival_step=0, num_prompt_tokens=15, answer_length=8),
         RequestSpec("r2", arrival_step=2, num_prompt_tokens=6, answer_length=5),
         RequestSpec("r3", arrival_step=4, num_prompt_tokens=4, answer_length=4),
-        RequestSpec("r4", arrival_step=6, num_prompt_tokens=10, answer_length=6),
-        RequestSpec("r5", arrival_step=7, num_prompt_tokens=10, answer_length=4),
-        RequestSpec("r6", arrival_step=8, num_prompt_tokens=9, answer_length=6),
+        RequestSpec("r4", arrival_step=6, num_prompt_tokens=10, answer_length=6, shared_prefix=8),
+        RequestSpec("r5", arrival_step=7, num_prompt_tokens=10, answer_length=4, shared_prefix=8),
+        RequestSpec("r6", arrival_step=8, num_prompt_tokens=9, answer_length=6, shared_prefix=8),
         RequestSpec("r7", arrival_step=10, num_prompt_tokens=4, answer_length=10),
     ),
     num_slots=4,
@@ -181,7 +198,8 @@ DEFAULT_WORKLOAD = Workload(
     max_num_batched_tokens=12,
     description=(
         "Seven requests arrive one after another into four slots sharing 12 blocks of "
-        "4 positions; prefill chunks of 8 tokens, at most 12 rows per step."
+        "4 positions; prefill chunks of 8 tokens, at most 12 rows per step. r4, r5 and r6 "
+        "begin with the same 8 tokens."
     ),
 )
 
@@ -204,6 +222,7 @@ class Scenario:
     admission: Admission
     batching: Batching
     summary: str = ""
+    prefix_caching: bool = False  # the pool publishes full prompt blocks for later prompts
 
     def scheduler_config(self, workload: Workload) -> SchedulerConfig:
         """The core's config for this policy under `workload`'s constants."""
@@ -244,7 +263,25 @@ CONTINUOUS_SLOT_ONLY = Scenario(
         "them, so the pool can run dry with every sequence half done."
     ),
 )
-SCENARIOS: tuple[Scenario, ...] = (REQUEST_LEVEL, CONTINUOUS_RESERVE, CONTINUOUS_SLOT_ONLY)
+PREFIX_CACHING = Scenario(
+    name="prefix",
+    title="Continuous batching, reserve at admission, prefix caching",
+    admission="reserve",
+    batching="continuous",
+    prefix_caching=True,
+    summary=(
+        "As with reservation, and a prompt's full blocks are published once computed: a later "
+        "prompt that starts with the same tokens takes them by reference (their count goes "
+        "up), reserves only the blocks still to fill, and computes only the rest. Published "
+        "blocks nobody holds stay cached until a fresh block is needed."
+    ),
+)
+SCENARIOS: tuple[Scenario, ...] = (
+    REQUEST_LEVEL,
+    CONTINUOUS_RESERVE,
+    CONTINUOUS_SLOT_ONLY,
+    PREFIX_CACHING,
+)
 
 
 def scenario_by_name(name: str) -> Scenario:
@@ -266,6 +303,8 @@ class SlotView:
     num_computed: int  # positions whose KV exists
     num_output: int  # tokens sampled so far
     answer_length: int
+    num_cached_tokens: int = 0  # prompt positions taken from the prefix cache at admission
+    block_ids: tuple[int, ...] = ()  # its block table, shared blocks included
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +327,9 @@ class Frame:
     are released, so a request returned in this step is still drawn in its slot.
     `stalled_ids` are running sequences that got no rows; `queued_ids` wait at the door, each
     for the reason (a key of `QUEUE_REASONS`) at the same index of `queue_reasons`.
+    A block held by several requests (a shared prefix) names the first of them in
+    `block_owners` and counts them all in `block_refs`; a cached block nobody holds has no
+    owner, a count of 0, and keeps its positions (`block_fill`) for the next prompt.
     """
 
     step: int
@@ -304,6 +346,8 @@ class Frame:
     first_token_ids: tuple[str, ...]
     returned_ids: tuple[str, ...]
     stuck: bool
+    block_refs: tuple[int, ...] = ()  # how many running requests hold each block
+    block_cached: tuple[bool, ...] = ()  # published in the prefix cache (held or not)
 
     @property
     def num_rows(self) -> int:
@@ -434,7 +478,14 @@ def simulate(
     `default_max_steps`); requests left when it is reached are reported as unfinished.
     """
     config = scenario.scheduler_config(workload) if config is None else config
-    pool = BlockPool(workload.num_blocks, workload.block_size)
+    pool = BlockPool(
+        workload.num_blocks, workload.block_size, prefix_caching=scenario.prefix_caching
+    )
+    prompts = (
+        {spec.request_id: Prompt(prompt_token_ids(workload, spec)) for spec in workload.requests}
+        if scenario.prefix_caching
+        else {}
+    )
     scheduler = Scheduler(config, pool, workload.max_model_len)
     # Nobody is turned away or times out at the door here; the figure is about the step loop.
     queue = AdmissionQueue(
@@ -450,18 +501,27 @@ def simulate(
         events = _StepEvents()
         for request in workload.requests:
             if request.arrival_step == step:
-                _arrive(scheduler, queue, progress[request.request_id], step, events)
-        for waiter in admit_waiting(scheduler, queue):
+                prompt = prompts.get(request.request_id)
+                _arrive(scheduler, queue, progress[request.request_id], step, events, prompt)
+        for waiter in admit_waiting(scheduler, queue, prompts.get):
             progress[waiter.request_id].admitted_step = step
             events.admitted_ids.append(waiter.request_id)
         # Asked before schedule(): under request-level batching planning closes the batch.
-        queue_reasons = tuple(_queue_reason(scheduler, waiter) for waiter in queue.waiters)
+        queue_reasons = tuple(
+            _queue_reason(scheduler, waiter, prompts.get(waiter.request_id))
+            for waiter in queue.waiters
+        )
         plan = scheduler.schedule()
         stuck = scheduler.is_stuck(plan)
         if stuck and stuck_step is None:
             stuck_step = step
             stuck_reason = _stuck_reason(scheduler, step)
-        scheduler.update(plan)
+        if prompts:
+            # Token ids are known, so computed blocks are published: every sample is token 0.
+            sampled = {seq_id: 0 for chunk in plan.chunks for seq_id in chunk.sampler_ids}
+            scheduler.update_from_output(plan, sampled)
+        else:
+            scheduler.update(plan)
         finished: list[str] = []
         for chunk in plan.chunks:
             seq = scheduler.get(chunk.request_id)
@@ -505,12 +565,22 @@ def simulate_all(
     return [simulate(workload, scenario) for scenario in scenarios]
 
 
+def prompt_token_ids(workload: Workload, spec: RequestSpec) -> tuple[int, ...]:
+    """The simulated prompt of `spec`: the workload's common prefix (ids 1, 2, ...) for its
+    first `shared_prefix` tokens, then ids of its own."""
+    own = 1000 * (1 + workload.requests.index(spec))
+    return tuple(range(1, spec.shared_prefix + 1)) + tuple(
+        own + i for i in range(spec.num_prompt_tokens - spec.shared_prefix)
+    )
+
+
 def _arrive(
     scheduler: Scheduler,
     queue: AdmissionQueue,
     record: _Progress,
     step: int,
     events: _StepEvents,
+    prompt: Prompt | None = None,
 ) -> None:
     spec = record.spec
     events.arrived_ids.append(spec.request_id)
@@ -524,7 +594,7 @@ def _arrive(
     record.answer_length = min(spec.answer_length, reserve)
     record.arrived_during_batch = not scheduler.batch_open
     result = admit_or_enqueue(
-        scheduler, queue, spec.request_id, spec.num_prompt_tokens, reserve, float(step)
+        scheduler, queue, spec.request_id, spec.num_prompt_tokens, reserve, float(step), prompt
     )
     if result is Outcome.ADMITTED:
         record.admitted_step = step
@@ -535,12 +605,12 @@ def _arrive(
         events.refused_ids.append(spec.request_id)
 
 
-def _queue_reason(scheduler: Scheduler, waiter: Waiter) -> str:
+def _queue_reason(scheduler: Scheduler, waiter: Waiter, prompt: Prompt | None = None) -> str:
     if not scheduler.batch_open:
         return "batch"
     if scheduler.num_free_slots == 0:
         return "slot"
-    if not scheduler.can_admit(waiter.num_prompt_tokens, waiter.reserve):
+    if not scheduler.can_admit(waiter.num_prompt_tokens, waiter.reserve, prompt):
         return "blocks"
     return "order"
 
@@ -560,7 +630,11 @@ def _frame(
     slots: list[SlotView | None] = [None] * scheduler.config.max_num_seqs
     owners: list[str | None] = [None] * pool.num_blocks
     fill = [0] * pool.num_blocks
+    cache = pool.cache
+    for block_id in () if cache is None else cache.cached_free_ids():
+        fill[block_id] = block_size  # a cached block nobody holds keeps its KV
     for seq in scheduler.running:
+        table = pool.table(seq.request_id)
         slots[seq.slot] = SlotView(
             slot=seq.slot,
             request_id=seq.request_id,
@@ -568,10 +642,14 @@ def _frame(
             num_computed=seq.num_computed,
             num_output=seq.num_output,
             answer_length=progress[seq.request_id].answer_length,
+            num_cached_tokens=seq.num_cached_tokens,
+            block_ids=table,
         )
-        for index, block_id in enumerate(pool.table(seq.request_id)):
-            owners[block_id] = seq.request_id
-            fill[block_id] = min(max(seq.num_computed - index * block_size, 0), block_size)
+        for index, block_id in enumerate(table):
+            if owners[block_id] is None:
+                owners[block_id] = seq.request_id
+            written = min(max(seq.num_computed - index * block_size, 0), block_size)
+            fill[block_id] = max(fill[block_id], written)
     rows = tuple(
         RowView(
             request_id=chunk.request_id,
@@ -598,6 +676,11 @@ def _frame(
         first_token_ids=tuple(events.first_token_ids),
         returned_ids=tuple(events.returned_ids),
         stuck=stuck,
+        block_refs=tuple(pool.refcount(block_id) for block_id in range(pool.num_blocks)),
+        block_cached=tuple(
+            cache is not None and cache.hash_of(block_id) is not None
+            for block_id in range(pool.num_blocks)
+        ),
     )
 
 

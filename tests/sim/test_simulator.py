@@ -1,4 +1,4 @@
-"""The simulator drives the real core Scheduler: the default workload's three stories, frames
+"""The simulator drives the real core Scheduler: the default workload's four stories, frames
 that obey the engine's rules, a config change in core that changes the run, and termination
 (a stuck pool is reported, never a hang)."""
 
@@ -66,8 +66,12 @@ def check_frames(result: SimulationResult) -> None:
                 assert 1 <= row.num_tokens <= config.prefill_chunk
             else:
                 assert row.num_tokens == 1 and row.samples
+        for block, refs in enumerate(frame.block_refs):
+            # A block's count is the number of running requests whose table holds it.
+            assert refs == sum(block in slot.block_ids for slot in running.values())
         for request_id, slot in running.items():
-            blocks = [b for b, owner in enumerate(frame.block_owners) if owner == request_id]
+            blocks = list(slot.block_ids)
+            assert all(frame.block_owners[b] is not None for b in blocks)
             # Written positions live in the request's blocks and nowhere else.
             assert sum(frame.block_fill[b] for b in blocks) == slot.num_computed
             assert len(blocks) * workload.block_size >= slot.num_computed
@@ -80,8 +84,10 @@ def check_frames(result: SimulationResult) -> None:
             assert len(blocks) >= held.get(request_id, 0)
             held[request_id] = len(blocks)
         for block, owner in enumerate(frame.block_owners):
-            if owner is None:
+            if owner is None and not frame.block_cached[block]:
                 assert frame.block_fill[block] == 0
+            if owner is None:
+                assert frame.block_refs[block] == 0
         for request_id in frame.returned_ids:
             slot = running[request_id]
             assert slot.num_output == slot.answer_length
@@ -310,6 +316,53 @@ def test_the_step_limit_reports_unfinished_requests(runs: dict[str, SimulationRe
     assert {outcome.status for outcome in result.requests} == {"returned", "unfinished"}
 
 
+def test_prefix_caching_lets_the_later_requests_start_sooner(
+    runs: dict[str, SimulationResult],
+) -> None:
+    cached, reserve = runs["prefix"], runs["reserve"]
+    check_frames(cached)
+    assert [outcome.status for outcome in cached.requests] == ["returned"] * 7
+    # r5 and r6 take r4's two blocks of the common prefix instead of computing them.
+    for request_id in ("r5", "r6"):
+        slots = [
+            slot
+            for frame in cached.frames
+            for slot in frame.slots
+            if slot is not None and slot.request_id == request_id
+        ]
+        assert {slot.num_cached_tokens for slot in slots} == {8}
+        first_chunk = next(
+            row for frame in cached.frames for row in frame.rows if row.request_id == request_id
+        )
+        assert first_chunk.start == 8  # its prefill starts after the cached positions
+        assert (
+            cached.outcome(request_id).time_to_first_token
+            < reserve.outcome(request_id).time_to_first_token
+        )
+    assert cached.outcome("r5").admitted_step < reserve.outcome("r5").admitted_step
+    shared = [
+        (frame.step, block)
+        for frame in cached.frames
+        for block, refs in enumerate(frame.block_refs)
+        if refs > 1
+    ]
+    assert shared and all(cached.frames[step].block_cached[block] for step, block in shared)
+    # Once nobody holds them, published blocks stay in the pool, cached, with their positions.
+    last = cached.frames[-1]
+    kept = [b for b, cached_block in enumerate(last.block_cached) if cached_block]
+    assert any(last.block_refs[b] == 0 and last.block_fill[b] == 4 for b in kept)
+    assert cached.num_steps < reserve.num_steps
+    # Without a prefix cache the prompts' tokens change nothing: every other scenario runs as
+    # if no request shared anything.
+    plain = replace(
+        DEFAULT_WORKLOAD,
+        requests=tuple(replace(r, shared_prefix=0) for r in DEFAULT_WORKLOAD.requests),
+    )
+    for name in ("request", "reserve", "slot-only"):
+        assert simulate(plain, runs[name].scenario).requests == runs[name].requests
+        assert not any(any(frame.block_cached) for frame in runs[name].frames)
+
+
 def test_workload_json_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "workload.json"
     path.write_text(json.dumps(DEFAULT_WORKLOAD.to_dict()))
@@ -328,8 +381,8 @@ def test_workload_json_round_trip(tmp_path: Path) -> None:
 workloads = st.builds(
     lambda specs, slots, blocks, block_size, chunk, rows: Workload(
         requests=tuple(
-            RequestSpec(f"r{i}", arrival, prompt, answer)
-            for i, (arrival, prompt, answer) in enumerate(specs)
+            RequestSpec(f"r{i}", arrival, prompt, answer, shared_prefix=min(shared, prompt))
+            for i, (arrival, prompt, answer, shared) in enumerate(specs)
         ),
         num_slots=slots,
         num_blocks=blocks,
@@ -338,7 +391,7 @@ workloads = st.builds(
         max_num_batched_tokens=rows,
     ),
     st.lists(
-        st.tuples(st.integers(0, 12), st.integers(1, 24), st.integers(1, 12)),
+        st.tuples(st.integers(0, 12), st.integers(1, 24), st.integers(1, 12), st.integers(0, 24)),
         min_size=1,
         max_size=8,
     ),
