@@ -28,6 +28,9 @@ READ_STATE = """() => ({
     stuck: section.classList.contains("is-stuck"),
     owners: [...section.querySelectorAll(".pool .block")].map((b) => b.dataset.owner),
     fill: [...section.querySelectorAll(".pool .block")].map((b) => Number(b.dataset.fill)),
+    shared: [...section.querySelectorAll(".pool .block")].map(
+      (b) => b.classList.contains("shared")),
+    cached: [...section.querySelectorAll(".pool .block")].map((b) => b.dataset.cached === "true"),
     slots: [...section.querySelectorAll(".slots .slot")].map((s) => s.dataset.request),
     queued: [...section.querySelectorAll(".queue .queued")].map((q) => q.dataset.request),
     rows: [...section.querySelectorAll(".rows .row:not(.unused)")].map(
@@ -50,6 +53,11 @@ def expected_state(result: SimulationResult, step: int) -> dict[str, Any]:
         "stuck": frame.stuck,
         "owners": [owner or "" for owner in frame.block_owners],
         "fill": list(frame.block_fill),
+        "shared": [refs > 1 for refs in frame.block_refs],
+        "cached": [
+            owner is None and cached
+            for owner, cached in zip(frame.block_owners, frame.block_cached, strict=True)
+        ],
         "slots": [slot.request_id if slot else "" for slot in frame.slots],
         "queued": list(frame.queued_ids),
         "rows": rows,
@@ -124,6 +132,11 @@ def test_stepping_forwards_and_backwards_through_the_stuck_pool(
         seen_changes += drawn(state) != previous
         previous = drawn(state)
     assert seen_changes == stuck_step
+    # The prefix-caching panel drew blocks shared by several requests and cached ones.
+    prefix = next(i for i, result in enumerate(results) if result.scenario.name == "prefix")
+    assert any(
+        any(expected_state(results[prefix], step)["shared"]) for step in range(stuck_step + 1)
+    )
     stuck_panel = page.evaluate(READ_STATE)["scenarios"][2]
     assert stuck_panel["stuck"] and f"stuck at step {stuck_step}" in stuck_panel["status"]
     assert "" not in stuck_panel["owners"]  # every block taken
