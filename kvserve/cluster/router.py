@@ -4,8 +4,8 @@ The ingress names a prompt's first blocks by the same chained, salted hashes the
 cache uses (`kvserve.core.prefix.block_hashes`), and remembers for each hash the replica it last
 sent it to, in a bounded LRU map. A request goes to the replica holding its longest remembered
 prefix, unless that replica carries `load_threshold` more requests (running + waiting) than the
-least loaded one, or no prefix is remembered: then to the least loaded replica (ties broken by
-fewest recent picks, so distinct prompts spread). Ray Serve LLM's PrefixCacheAffinityRouter
+least loaded one, or no prefix is remembered: then to the least loaded replica (ties taken in
+turn, so distinct prompts spread). Ray Serve LLM's PrefixCacheAffinityRouter
 decides the same way.
 
 Pure bookkeeping over strings and bytes: no HTTP, no Ray, no clock.
@@ -31,7 +31,6 @@ class ReplicaLoad:
     waiting: int = 0
     # Requests sent since the replica last reported its numbers: they are not in them yet.
     sent_since_report: int = 0
-    picks: int = 0
 
     @property
     def load(self) -> int:
@@ -55,6 +54,7 @@ class PrefixRouter:
     load_threshold: int = 4
     _owner: OrderedDict[BlockHash, str] = field(default_factory=OrderedDict)
     _replicas: dict[str, ReplicaLoad] = field(default_factory=dict)
+    _turn: int = 0
 
     # -- replicas ----------------------------------------------------------------------------
 
@@ -87,9 +87,7 @@ class PrefixRouter:
             return Decision((), "none")
         for replica_id in replica_ids:
             self._replicas.setdefault(replica_id, ReplicaLoad(replica_id))
-        by_load = sorted(
-            replica_ids, key=lambda r: (self._replicas[r].load, self._replicas[r].picks, r)
-        )
+        by_load = sorted(replica_ids, key=lambda r: (self._replicas[r].load, r))
         least = self._replicas[by_load[0]].load
         living = set(replica_ids)
         matched, owner = 0, None
@@ -102,7 +100,10 @@ class PrefixRouter:
         if owner is not None and self._replicas[owner].load - least <= self.load_threshold:
             first, reason = owner, "prefix"
         else:
-            first, reason = by_load[0], "load" if owner is not None else "balance"
+            tied = [r for r in by_load if self._replicas[r].load == least]
+            first = tied[self._turn % len(tied)]
+            self._turn += 1
+            reason = "load" if owner is not None else "balance"
         order = (first, *(r for r in by_load if r != first))
         return Decision(order, reason, matched)
 
@@ -110,7 +111,6 @@ class PrefixRouter:
         """The request went to `replica_id` (accepted there): its blocks will be cached there."""
         replica = self._replicas.setdefault(replica_id, ReplicaLoad(replica_id))
         replica.sent_since_report += 1
-        replica.picks += 1
         for block_hash in hashes:
             self._owner[block_hash] = replica_id
             self._owner.move_to_end(block_hash)
