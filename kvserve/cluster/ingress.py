@@ -173,7 +173,7 @@ class Ingress:
         hasher: PromptHasher | None,
         *,
         router: PrefixRouter | None = None,
-        stale_after: float = 5.0,
+        stale_after: float = 10.0,
         connect_timeout: float = 5.0,
     ) -> None:
         self.hasher = hasher

@@ -1,0 +1,164 @@
+"""The ingress's cost: `kvserve serve` directly against `kvserve cluster` with one replica.
+
+Both run the same engine settings on the same machine, one after the other in the same run, and
+the load generator measures output throughput at each concurrency (streaming completions). The
+ratio (cluster / direct) is what the ingress and Ray Serve cost; the target is at least 85%.
+
+A row with two replicas sharing the machine's cores is measured too when asked: on one machine
+it cannot beat one replica with all the cores (each gets half), and the table says so.
+
+    python -m kvserve.bench.cluster_bench --concurrency 8,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+
+from kvserve.bench.loadgen import BenchConfig, BenchResult, run_benchmark
+
+__all__ = ["ClusterBenchRow", "format_cluster_table", "run_cluster_bench"]
+
+
+@dataclass(frozen=True)
+class ClusterBenchRow:
+    concurrency: int
+    direct: BenchResult
+    cluster: BenchResult
+    two_replicas: BenchResult | None = None
+
+    @property
+    def ratio(self) -> float:
+        return self.cluster.output_throughput / self.direct.output_throughput
+
+
+def _free_port() -> int:
+    from kvserve.bench.run import free_port
+
+    return free_port()
+
+
+@contextmanager
+def _serving(arguments: list[str], port: int, timeout: float = 300.0) -> Iterator[str]:
+    """`python -m kvserve ARGUMENTS` until ready on 127.0.0.1:port; stopped with SIGINT."""
+    command = [sys.executable, "-m", "kvserve", *arguments, "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                output = process.stdout.read().decode(errors="replace") if process.stdout else ""
+                raise RuntimeError(f"{' '.join(arguments[:1])} exited: {output[-2000:]}")
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{arguments[0]} did not become ready")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _measure(url: str, concurrencies: list[int], output_len: int) -> dict[int, BenchResult]:
+    results = {}
+    for concurrency in concurrencies:
+        config = BenchConfig(
+            url=url,
+            concurrency=concurrency,
+            num_prompts=2 * concurrency,
+            input_len=128,
+            output_len=output_len,
+            endpoint="completions",
+            ignore_eos=True,
+            warmup=1,
+        )
+        results[concurrency] = asyncio.run(run_benchmark(config))
+        print(f"  {url} C={concurrency}: {results[concurrency].output_throughput:.0f} out tok/s")
+    return results
+
+
+def run_cluster_bench(
+    concurrencies: list[int],
+    *,
+    output_len: int = 64,
+    two_replicas: bool = False,
+    engine_flags: list[str] = (),
+) -> list[ClusterBenchRow]:
+    """Measure `kvserve serve` and `kvserve cluster --replicas 1` (and 2, if asked)."""
+    cores = os.cpu_count() or 1
+    slots = ["--max-num-seqs", str(max(concurrencies)), *engine_flags]
+    with _serving(["serve", "--threads", str(cores), *slots], _free_port()) as url:
+        direct = _measure(url, concurrencies, output_len)
+    one = ["cluster", "--replicas", "1", "--cpus-per-replica", str(cores)]
+    with _serving([*one, "--threads", str(cores), *slots], _free_port()) as url:
+        cluster = _measure(url, concurrencies, output_len)
+    pair: dict[int, BenchResult] = {}
+    if two_replicas:
+        half = max(1, cores // 2)
+        two = ["cluster", "--replicas", "2", "--cpus-per-replica", str(half)]
+        with _serving([*two, "--threads", str(half), *slots], _free_port()) as url:
+            pair = _measure(url, concurrencies, output_len)
+    return [ClusterBenchRow(c, direct[c], cluster[c], pair.get(c)) for c in concurrencies]
+
+
+def format_cluster_table(rows: list[ClusterBenchRow]) -> str:
+    """Markdown: throughput direct and through the ingress, and their ratio."""
+    two = any(row.two_replicas is not None for row in rows)
+    head = "| concurrent | `kvserve serve` out tok/s | ingress + 1 replica out tok/s | ratio |"
+    rule = "| --- | --- | --- | --- |"
+    if two:
+        head += " ingress + 2 replicas (half the cores each) out tok/s |"
+        rule += " --- |"
+    lines = [head, rule]
+    for row in rows:
+        line = (
+            f"| {row.concurrency} | {row.direct.output_throughput:.0f} | "
+            f"{row.cluster.output_throughput:.0f} | {row.ratio:.0%} |"
+        )
+        if two:
+            pair = row.two_replicas
+            line += f" {pair.output_throughput:.0f} |" if pair is not None else " - |"
+        lines.append(line)
+    failed = sum(r.direct.num_failed + r.cluster.num_failed for r in rows)
+    lines.append("")
+    lines.append(f"Failed requests in these runs: {failed}.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="8,32")
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--two-replicas", action="store_true")
+    args = parser.parse_args(argv)
+    rows = run_cluster_bench(
+        [int(c) for c in args.concurrency.split(",")],
+        output_len=args.output_len,
+        two_replicas=args.two_replicas,
+    )
+    print(format_cluster_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
