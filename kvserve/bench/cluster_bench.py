@@ -93,7 +93,8 @@ def _measure(url: str, concurrencies: list[int], output_len: int) -> dict[int, B
             warmup=1,
         )
         results[concurrency] = asyncio.run(run_benchmark(config))
-        print(f"  {url} C={concurrency}: {results[concurrency].output_throughput:.0f} out tok/s")
+        throughput = results[concurrency].output_throughput
+        print(f"  {url} C={concurrency}: {throughput:.0f} out tok/s", flush=True)
     return results
 
 

@@ -156,7 +156,9 @@ def http_bench(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="model,engine,http", help="comma list of sections")
+    parser.add_argument(
+        "--only", default="model,engine,http,cluster", help="comma list of sections"
+    )
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="auto", help="auto | none | int8 (linear layers)")
@@ -273,6 +275,34 @@ def main(argv: list[str] | None = None) -> int:
                     f"({r.output_throughput:.0f} / {engine.output_tok_s:.0f} out tok/s).  "
                 )
         out.append("")
+
+    if "cluster" in sections:
+        print("cluster benchmark (ingress + 1 replica against kvserve serve)...", flush=True)
+        from kvserve.bench.cluster_bench import format_cluster_table, run_cluster_bench
+
+        rows = run_cluster_bench(
+            [c for c in concurrencies if c in (8, 32)] or [8, 32],
+            two_replicas=True,
+            engine_flags=[
+                *("--dtype", args.dtype, "--quantization", args.quantization),
+                *("--kv-cache-dtype", args.kv_cache_dtype),
+            ],
+        )
+        out += [
+            "### Cluster (`kvserve cluster --replicas 1` against `kvserve serve`, same run; "
+            "128-token prompts, 64 output tokens, streaming completions)\n",
+            format_cluster_table(rows),
+            "",
+        ]
+        raw["cluster"] = [
+            {
+                "concurrency": r.concurrency,
+                "ratio": r.ratio,
+                "direct": r.direct.to_dict() | {"records": None},
+                "cluster": r.cluster.to_dict() | {"records": None},
+            }
+            for r in rows
+        ]
 
     text = "\n".join(out)
     print(text)
