@@ -107,7 +107,11 @@ def run_cluster_bench(
 ) -> list[ClusterBenchRow]:
     """Measure `kvserve serve` and `kvserve cluster --replicas 1` (and 2, if asked)."""
     cores = os.cpu_count() or 1
-    slots = ["--max-num-seqs", str(max(concurrencies)), *engine_flags]
+    # A pool sized for the workload (128-token prompts): replicas on one machine must not each
+    # claim half its free memory, the default.
+    blocks = max(concurrencies) * 16
+    slots = ["--max-num-seqs", str(max(concurrencies)), "--max-model-len", "512"]
+    slots += ["--num-kv-blocks", str(blocks), *engine_flags]
     with _serving(["serve", "--threads", str(cores), *slots], _free_port()) as url:
         direct = _measure(url, concurrencies, output_len)
     one = ["cluster", "--replicas", "1", "--cpus-per-replica", str(cores)]

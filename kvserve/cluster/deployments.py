@@ -82,8 +82,8 @@ class KVServeReplica:
         """What the ingress routes by: where this replica listens and how busy it is."""
         engine = self.state.engine
         # Read from another thread: two integer reads, at worst a step stale.
-        running = engine.num_running if engine is not None and engine.scheduler else 0
-        waiting = engine.num_waiting if engine is not None and engine.scheduler else 0
+        running = engine.num_running if engine is not None else 0
+        waiting = engine.num_waiting if engine is not None else 0
         return {
             "replica_id": self.replica_id,
             "url": self.url,
@@ -155,6 +155,7 @@ class KVServeIngress:
         self.ingress = Ingress(
             PromptHasher(tokenizer, args.block_size),
             router=PrefixRouter(load_threshold=load_threshold),
+            max_body_bytes=args.max_body_bytes,
         )
         config = uvicorn.Config(
             self.ingress.app,

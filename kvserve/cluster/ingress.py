@@ -175,8 +175,10 @@ class Ingress:
         router: PrefixRouter | None = None,
         stale_after: float = 10.0,
         connect_timeout: float = 5.0,
+        max_body_bytes: int = 8 * 1024 * 1024,
     ) -> None:
         self.hasher = hasher
+        self.max_body_bytes = max_body_bytes
         self.router = router or PrefixRouter()
         self.stale_after = stale_after
         self.replicas: dict[str, ReplicaInfo] = {}
@@ -307,7 +309,20 @@ class Ingress:
 
     async def proxy(self, request: Request) -> Response:
         path = request.url.path
-        body = await request.body()
+        # Read at most the limit (the replicas refuse more anyway): a body is held in memory.
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                error = APIError(
+                    413,
+                    f"the request body is larger than the limit of {self.max_body_bytes} bytes",
+                    code="request_too_large",
+                    headers={"Connection": "close"},  # the rest is not read
+                )
+                return _error_response(path, error)
+            chunks.append(chunk)
+        body = b"".join(chunks)
         hashes: list[bytes] = []
         if request.method == "POST" and path in GENERATING_PATHS and self.hasher is not None:
             hashes = await asyncio.to_thread(self.hasher.hashes, path, body)
