@@ -18,14 +18,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import httpx
-
 from kvserve.bench.loadgen import BenchConfig, BenchResult, run_benchmark
+from kvserve.bench.run import free_port, wait_until_ready
 
 __all__ = ["ClusterBenchRow", "format_cluster_table", "run_cluster_bench"]
 
@@ -42,41 +41,30 @@ class ClusterBenchRow:
         return self.cluster.output_throughput / self.direct.output_throughput
 
 
-def _free_port() -> int:
-    from kvserve.bench.run import free_port
-
-    return free_port()
-
-
 @contextmanager
 def _serving(arguments: list[str], port: int, timeout: float = 300.0) -> Iterator[str]:
     """`python -m kvserve ARGUMENTS` until ready on 127.0.0.1:port; stopped with SIGINT."""
     command = [sys.executable, "-m", "kvserve", *arguments, "--host", "127.0.0.1"]
     command += ["--port", str(port), "--log-level", "warning"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if process.poll() is not None:
-                output = process.stdout.read().decode(errors="replace") if process.stdout else ""
-                raise RuntimeError(f"{' '.join(arguments[:1])} exited: {output[-2000:]}")
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{arguments[0]} did not become ready")
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.send_signal(signal.SIGINT)
+    # Ray's workers log through the driver: a file, so that an unread pipe never stalls it.
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            try:
+                wait_until_ready(process, url, timeout)
+            except RuntimeError as exc:
+                log.seek(0)
+                output = log.read().decode(errors="replace")[-2000:]
+                raise RuntimeError(f"{exc}: {output}") from None
+            yield url
+        finally:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def _measure(url: str, concurrencies: list[int], output_len: int) -> dict[int, BenchResult]:
@@ -112,16 +100,16 @@ def run_cluster_bench(
     blocks = max(concurrencies) * 16
     slots = ["--max-num-seqs", str(max(concurrencies)), "--max-model-len", "512"]
     slots += ["--num-kv-blocks", str(blocks), *engine_flags]
-    with _serving(["serve", "--threads", str(cores), *slots], _free_port()) as url:
+    with _serving(["serve", "--threads", str(cores), *slots], free_port()) as url:
         direct = _measure(url, concurrencies, output_len)
     one = ["cluster", "--replicas", "1", "--cpus-per-replica", str(cores)]
-    with _serving([*one, "--threads", str(cores), *slots], _free_port()) as url:
+    with _serving([*one, "--threads", str(cores), *slots], free_port()) as url:
         cluster = _measure(url, concurrencies, output_len)
     pair: dict[int, BenchResult] = {}
     if two_replicas:
         half = max(1, cores // 2)
         two = ["cluster", "--replicas", "2", "--cpus-per-replica", str(half)]
-        with _serving([*two, "--threads", str(half), *slots], _free_port()) as url:
+        with _serving([*two, "--threads", str(half), *slots], free_port()) as url:
             pair = _measure(url, concurrencies, output_len)
     return [ClusterBenchRow(c, direct[c], cluster[c], pair.get(c)) for c in concurrencies]
 

@@ -51,6 +51,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_ready(server: subprocess.Popen, url: str, timeout: float = 300.0) -> None:
+    """Poll `url`/ready until 200; RuntimeError with the server's output if it exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            output = server.stdout.read().decode() if server.stdout else ""
+            raise RuntimeError(f"server exited: {output[-2000:]}")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("server did not become ready")
+
+
 # Every answer under this schema is longer than the benchmark's 128 output tokens (at least 100
 # notes), so constrained and free requests produce the same number of tokens; its masks mix
 # free strings, enums and bounded integers.
@@ -110,18 +126,7 @@ def http_bench(
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if server.poll() is not None:
-                raise RuntimeError(f"server exited: {server.stdout.read().decode()[-2000:]}")
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("server did not become ready")
+        wait_until_ready(server, url)
         results = []
         runs = [(c, None) for c in concurrencies]
         runs += [(c, BENCH_FORMAT) for c in concurrencies if c in CONSTRAINED_CONCURRENCIES]
