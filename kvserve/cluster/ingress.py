@@ -27,7 +27,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -341,12 +341,24 @@ class Ingress:
         refused: tuple[httpx.Response, bytes, str] | None = None
         try:
             for attempt, replica_id in enumerate(decision.order):
-                info = by_id[replica_id]
                 outgoing = self.client.build_request(
-                    request.method, info.url + target, headers=headers, content=body
+                    request.method, by_id[replica_id].url + target, headers=headers, content=body
                 )
+                # In flight from here until its answer ends, however it ends.
+                self.router.started(replica_id)
+                relayed = False
                 try:
                     upstream = await watcher.race(self.client.send(outgoing, stream=True))
+                    if upstream.status_code == 429:
+                        refused = (upstream, await watcher.race(upstream.aread()), replica_id)
+                        await upstream.aclose()
+                        continue
+                    reason = decision.reason if attempt == 0 else "retry"
+                    self.routed.labels(replica_id, reason).inc()
+                    if upstream.status_code < 400:
+                        self.router.sent(replica_id, hashes)
+                    relayed = True
+                    return await self._relay(upstream, replica_id, path, watcher)
                 except httpx.ConnectError:
                     # Never reached the replica: safe to send elsewhere.
                     self.replica_failures.labels(replica_id).inc()
@@ -355,18 +367,11 @@ class Ingress:
                 except httpx.TransportError as exc:
                     self.replica_failures.labels(replica_id).inc()
                     self.drop(replica_id, f"failed before answering: {exc!r}")
-                    return _error_response(
-                        path, APIError(502, "the replica failed before answering"), replica_id
-                    )
-                if upstream.status_code == 429:
-                    refused = (upstream, await watcher.race(upstream.aread()), replica_id)
-                    await upstream.aclose()
-                    continue
-                reason = decision.reason if attempt == 0 else "retry"
-                self.routed.labels(replica_id, reason).inc()
-                if upstream.status_code < 400:
-                    self.router.sent(replica_id, hashes)
-                return await self._relay(upstream, replica_id, path, watcher)
+                    error = APIError(502, "the replica failed before answering")
+                    return _error_response(path, error, replica_id)
+                finally:
+                    if not relayed:
+                        self.router.ended(replica_id)
         except ClientGone:
             watcher.stop()
             return Response(status_code=499)
@@ -390,23 +395,32 @@ class Ingress:
     async def _relay(
         self, upstream: httpx.Response, replica_id: str, path: str, watcher: DisconnectWatcher
     ) -> Response:
+        """The replica's answer as the client's; the request stops being in flight at the
+        replica (`router.ended`) once it is relayed in full, failed, or the client left."""
         headers = self._answer_headers(upstream, replica_id)
-        if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            try:
-                content = await watcher.race(upstream.aread())
-            except httpx.TransportError:
-                self.replica_failures.labels(replica_id).inc()
-                self.drop(replica_id, "failed while answering")
-                return _error_response(
-                    path, APIError(502, "the replica failed while answering"), replica_id
-                )
-            finally:
-                watcher.stop()
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+
+            async def end() -> None:
+                # Also when the client left before the first chunk: the generator's own
+                # cleanup never ran then, and the replica must see the connection close.
                 await upstream.aclose()
-            return Response(content, upstream.status_code, headers=headers)
-        return EventStreamResponse(
-            self._events(upstream, replica_id, path), watcher, headers=headers
-        )
+                self.router.ended(replica_id)
+
+            return _RelayedStream(
+                self._events(upstream, replica_id, path), watcher, headers=headers, on_end=end
+            )
+        try:
+            content = await watcher.race(upstream.aread())
+        except httpx.TransportError:
+            self.replica_failures.labels(replica_id).inc()
+            self.drop(replica_id, "failed while answering")
+            error = APIError(502, "the replica failed while answering")
+            return _error_response(path, error, replica_id)
+        finally:
+            watcher.stop()
+            await upstream.aclose()
+            self.router.ended(replica_id)
+        return Response(content, upstream.status_code, headers=headers)
 
     async def _events(
         self, upstream: httpx.Response, replica_id: str, path: str
@@ -424,6 +438,16 @@ class Ingress:
             await upstream.aclose()
 
 
-def replica_info_from(payload: dict[str, Any]) -> ReplicaInfo:
-    """A registration sent over Ray (a plain dict) as a ReplicaInfo."""
-    return ReplicaInfo(**{k: v for k, v in payload.items() if k != "seen_at"})
+class _RelayedStream(EventStreamResponse):
+    """An event stream that calls `on_end` once it is over, whether it was sent, failed, or its
+    client left before it began."""
+
+    def __init__(self, *args: Any, on_end: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_end()

@@ -29,12 +29,13 @@ class ReplicaLoad:
     replica_id: str
     running: int = 0
     waiting: int = 0
-    # Requests sent since the replica last reported its numbers: they are not in them yet.
-    sent_since_report: int = 0
+    # Requests the ingress sent there that have not ended: exact, where the replica's own
+    # report is up to an announcement old (and late when the machine is busy).
+    in_flight: int = 0
 
     @property
     def load(self) -> int:
-        return self.running + self.waiting + self.sent_since_report
+        return max(self.running + self.waiting, self.in_flight)
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class PrefixRouter:
     def report(self, replica_id: str, running: int, waiting: int) -> None:
         """A replica's own numbers (running + waiting), fresh."""
         replica = self._replicas.setdefault(replica_id, ReplicaLoad(replica_id))
-        replica.running, replica.waiting, replica.sent_since_report = running, waiting, 0
+        replica.running, replica.waiting = running, waiting
 
     def forget(self, replica_id: str) -> None:
         """A replica is gone: route nothing more to it, and drop what it held."""
@@ -107,10 +108,17 @@ class PrefixRouter:
         order = (first, *(r for r in by_load if r != first))
         return Decision(order, reason, matched)
 
+    def started(self, replica_id: str) -> None:
+        """A request is in flight at `replica_id` (until `ended`)."""
+        self._replicas.setdefault(replica_id, ReplicaLoad(replica_id)).in_flight += 1
+
+    def ended(self, replica_id: str) -> None:
+        replica = self._replicas.get(replica_id)
+        if replica is not None and replica.in_flight > 0:
+            replica.in_flight -= 1
+
     def sent(self, replica_id: str, hashes: Sequence[BlockHash]) -> None:
-        """The request went to `replica_id` (accepted there): its blocks will be cached there."""
-        replica = self._replicas.setdefault(replica_id, ReplicaLoad(replica_id))
-        replica.sent_since_report += 1
+        """The request was accepted at `replica_id`: its blocks will be cached there."""
         for block_hash in hashes:
             self._owner[block_hash] = replica_id
             self._owner.move_to_end(block_hash)

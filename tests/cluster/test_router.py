@@ -41,17 +41,24 @@ def test_a_busy_holder_loses_to_the_least_loaded_past_the_threshold():
     assert (decision.order, decision.reason) == (("r2", "r1"), "load")
 
 
-def test_unknown_prompts_take_turns_and_count_what_was_sent_since_the_last_report():
+def test_unknown_prompts_take_turns_and_load_counts_what_is_in_flight():
     router = PrefixRouter()
     picks = []
     for _ in range(4):
         decision = router.choose([], ["r1", "r2"])
         picks.append(decision.order[0])
     assert sorted(picks) == ["r1", "r1", "r2", "r2"]
-    router.sent("r1", [])
-    router.sent("r1", [])
+    router.started("r1")
+    router.started("r1")
     assert router.choose([], ["r1", "r2"]).order == ("r2", "r1")
-    router.report("r1", 0, 0)  # the replica's own numbers replace the guess
+    # A late report does not hide what the ingress knows is in flight, nor the reverse.
+    router.report("r1", running=0, waiting=0)
+    assert router.loads()["r1"] == 2
+    router.report("r1", running=2, waiting=3)
+    assert router.loads()["r1"] == 5
+    router.ended("r1")
+    router.ended("r1")
+    router.report("r1", running=0, waiting=0)
     assert router.loads()["r1"] == 0
 
 

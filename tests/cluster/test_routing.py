@@ -6,6 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.e2e.conftest import scrape
+
 pytestmark = pytest.mark.slow
 
 HITS = "kvserve:prefix_cache_hits_total"
@@ -35,7 +37,8 @@ def test_requests_sharing_a_long_prefix_land_on_one_replica(cluster):
         )
         assert reply.status_code == 200, reply.text
         landed.append(reply.headers["x-kvserve-replica"])
-    assert len(set(landed)) == 1, landed
+    routed = {k: v for k, v in scrape(cluster).items() if k.startswith("kvserve:cluster_")}
+    assert len(set(landed)) == 1, (landed, routed)
     holder = landed[0]
     after = {r: cluster.replica_metrics(r) for r in replicas}
     hits = {r: after[r][HITS] - before[r][HITS] for r in replicas}
