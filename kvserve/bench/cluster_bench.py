@@ -100,11 +100,17 @@ def run_cluster_bench(
     blocks = max(concurrencies) * 16
     slots = ["--max-num-seqs", str(max(concurrencies)), "--max-model-len", "512"]
     slots += ["--num-kv-blocks", str(blocks), *engine_flags]
-    with _serving(["serve", "--threads", str(cores), *slots], free_port()) as url:
-        direct = _measure(url, concurrencies, output_len)
     one = ["cluster", "--replicas", "1", "--cpus-per-replica", str(cores)]
-    with _serving([*one, "--threads", str(cores), *slots], free_port()) as url:
-        cluster = _measure(url, concurrencies, output_len)
+    # Both up at once, measured in turn at each concurrency: a machine whose other load drifts
+    # during the run then shifts both sides alike.
+    with (
+        _serving(["serve", "--threads", str(cores), *slots], free_port()) as direct_url,
+        _serving([*one, "--threads", str(cores), *slots], free_port()) as cluster_url,
+    ):
+        direct, cluster = {}, {}
+        for concurrency in concurrencies:
+            direct |= _measure(direct_url, [concurrency], output_len)
+            cluster |= _measure(cluster_url, [concurrency], output_len)
     pair: dict[int, BenchResult] = {}
     if two_replicas:
         half = max(1, cores // 2)
