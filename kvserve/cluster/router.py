@@ -3,7 +3,7 @@
 The ingress names a prompt's first blocks by the same chained, salted hashes the engine's prefix
 cache uses (`kvserve.core.prefix.block_hashes`), and remembers for each hash the replica it last
 sent it to, in a bounded LRU map. A request goes to the replica holding its longest remembered
-prefix, unless that replica carries `load_threshold` more requests (running + waiting) than the
+prefix (when that covers at least `min_match` of its hashed blocks), unless that replica carries `load_threshold` more requests (running + waiting) than the
 least loaded one, or no prefix is remembered: then to the least loaded replica (ties taken in
 turn, so distinct prompts spread). Ray Serve LLM's PrefixCacheAffinityRouter
 decides the same way.
@@ -53,6 +53,9 @@ class PrefixRouter:
 
     capacity: int = 65536
     load_threshold: int = 4
+    # A holder must hold at least this share of the prompt's hashed blocks: one shared block (a
+    # model's default system prompt) is not worth sending every conversation to one replica.
+    min_match: float = 0.5
     _owner: OrderedDict[BlockHash, str] = field(default_factory=OrderedDict)
     _replicas: dict[str, ReplicaLoad] = field(default_factory=dict)
     _turn: int = 0
@@ -98,6 +101,8 @@ class PrefixRouter:
             if candidate is not None and candidate in living:
                 matched, owner = depth, candidate
                 break
+        if owner is not None and matched < self.min_match * len(hashes):
+            owner = None
         if owner is not None and self._replicas[owner].load - least <= self.load_threshold:
             first, reason = owner, "prefix"
         else:

@@ -30,6 +30,17 @@ def test_the_deepest_remembered_block_wins():
     assert router.choose(_hashes("a", "b", "c"), ["r1", "r2"]).order[0] == "r2"
 
 
+def test_a_short_shared_start_is_not_enough_to_follow():
+    router = PrefixRouter(min_match=0.5)
+    router.sent("r1", _hashes("system"))
+    router.report("r1", 0, 0)
+    router.report("r2", 0, 0)
+    picks = {router.choose(_hashes("system", f"u{i}", f"v{i}"), ["r1", "r2"]) for i in range(4)}
+    assert {d.reason for d in picks} == {"balance"}
+    assert {d.order[0] for d in picks} == {"r1", "r2"}
+    assert router.choose(_hashes("system", "u0"), ["r1", "r2"]).reason == "prefix"  # half
+
+
 def test_a_busy_holder_loses_to_the_least_loaded_past_the_threshold():
     router = PrefixRouter(load_threshold=2)
     router.sent("r1", _hashes("a"))
