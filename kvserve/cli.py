@@ -111,6 +111,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         "model's dtype) | model: the model's dtype | int8: K and V rows as 8-bit integers with "
         "a scale each, half the memory and the reads of bf16 (CPU; see docs/serving.md)",
     )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=e("--enable-prefix-caching", True, bool),
+        help="reuse the KV of prompt blocks already computed for an earlier request with the "
+        "same prefix and cache_salt (--no-enable-prefix-caching turns it off)",
+    )
     g = parser.add_argument_group("scheduling")
     g.add_argument("--max-num-seqs", type=int, default=e("--max-num-seqs", 8, int))
     g.add_argument(
@@ -154,6 +161,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory,
             kv_cache_dtype=args.kv_cache_dtype,
+            enable_prefix_caching=args.enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

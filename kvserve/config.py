@@ -62,6 +62,7 @@ class CacheConfig:
     # "auto" (see kvserve.model.kv_cache.choose_cache_dtype) | "model" (the model's dtype) |
     # "int8" (kvserve/model/csrc/kv_int8.c)
     kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True  # reuse the KV of published prompt blocks
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -17,12 +17,17 @@ def new_request_id(prefix: str = "req") -> str:
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One generation: prompt token ids and how to sample. `max_tokens` None = rest of context."""
+    """One generation: prompt token ids and how to sample. `max_tokens` None = rest of context.
+
+    `cache_salt` isolates a tenant in the prefix cache: requests with different salts never
+    share a KV block; without one, requests share by default.
+    """
 
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=new_request_id)
     arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -162,8 +162,13 @@ def http_bench(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make bench", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--only", default="model,engine,http,cluster", help="comma list of sections"
+        "--only", default="model,engine,http,prefix,cluster", help="comma list of sections"
     )
+    parser.add_argument(
+        "--prefix-requests", type=int, default=16, help="measured requests per shared-prefix run"
+    )
+    parser.add_argument("--prefix-conversations", type=int, default=8)
+    parser.add_argument("--prefix-turns", type=int, default=10)
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="auto", help="auto | none | int8 (linear layers)")
@@ -307,6 +312,30 @@ def main(argv: list[str] | None = None) -> int:
                 "cluster": r.cluster.to_dict() | {"records": None},
             }
             for r in rows
+        ]
+
+    if "prefix" in sections:
+        print("prefix cache benchmark...", flush=True)
+        from kvserve.bench.prefix_bench import format_prefix_table, run_prefix_bench
+
+        prefix_results = run_prefix_bench(
+            loaded,
+            num_requests=args.prefix_requests,
+            conversations=args.prefix_conversations,
+            turns=args.prefix_turns,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+        out += [
+            "### Prefix cache (engine, no HTTP; cache on and off in the same run)\n",
+            f"Shared prefix: a 1,200-token system prompt, distinct 64-token user turns, 32 output "
+            f"tokens, {args.prefix_requests} measured requests after one warm-up. Multi-turn: "
+            f"{args.prefix_conversations} conversations of {args.prefix_turns} turns (64-token "
+            "user turns, 32-token answers), each turn resending the whole history.\n",
+            format_prefix_table(prefix_results),
+            "",
+        ]
+        raw["prefix"] = [
+            {"workload": r.workload, "cache": r.cache, "ttfts": r.ttfts} for r in prefix_results
         ]
 
     text = "\n".join(out)

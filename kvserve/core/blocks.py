@@ -7,6 +7,11 @@ reference is released.
 Freed blocks are reused FIFO: the block freed longest ago is handed out first. A cached prefix
 that has just been released therefore survives as long as possible before being overwritten,
 which is what a prefix cache layered on this pool wants (least recently freed is evicted first).
+
+With a `PrefixCache` (kvserve/core/prefix.py), a released block that was published keeps its
+KV: it becomes cached-free (count 0, in the cache's LRU) instead of free, a later request with
+the same prefix takes it back with `reuse`, and it is evicted only when `allocate` finds the
+free list empty. Cached-free blocks count as available: `num_free` includes them.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
+from kvserve.core.prefix import BlockHash, PrefixCache
+
 
 class BlockPool:
     """A fixed pool of KV blocks with a free list, reference counts and per-owner block tables."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
         if block_size <= 0:
@@ -29,6 +36,12 @@ class BlockPool:
         # An OrderedDict as the free list: FIFO pop and O(1) membership.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._tables: dict[str, list[int]] = {}
+        self._cache: PrefixCache | None = PrefixCache() if prefix_caching else None
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        """The prefix cache, or None when prefix caching is off."""
+        return self._cache
 
     @property
     def num_blocks(self) -> int:
@@ -42,13 +55,18 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        """Blocks on the free list."""
-        return len(self._free)
+        """Blocks nobody references: the free list plus the cached-free blocks."""
+        return len(self._free) + self.num_cached_free
+
+    @property
+    def num_cached_free(self) -> int:
+        """Published blocks nobody references (kept for reuse, evicted when space is needed)."""
+        return 0 if self._cache is None else self._cache.num_cached_free
 
     @property
     def num_used(self) -> int:
         """Blocks referenced by at least one owner."""
-        return self._num_blocks - len(self._free)
+        return self._num_blocks - self.num_free
 
     @property
     def usage(self) -> float:
@@ -69,40 +87,61 @@ class BlockPool:
         """
         if num_blocks < 0:
             raise ValueError("num_blocks must be >= 0")
-        if num_blocks > len(self._free):
+        if num_blocks > self.num_free:
             return None
-        block_ids = tuple(self._free.popitem(last=False)[0] for _ in range(num_blocks))
+        # Never-cached blocks first; a cached prefix is evicted only when nothing else is left.
+        block_ids = tuple(
+            self._free.popitem(last=False)[0] if self._free else self._cache.evict()
+            for _ in range(num_blocks)
+        )
         for block_id in block_ids:
             self._refcounts[block_id] = 1
         self._tables.setdefault(owner, []).extend(block_ids)
         return block_ids
 
-    def share(self, owner: str, block_ids: Sequence[int]) -> None:
-        """Append blocks already in use by another owner to `owner`'s table, one reference each.
+    def share(self, owner: str, block_ids: Sequence[int], *, prepend: bool = False) -> None:
+        """Add blocks already in use, or cached-free, to `owner`'s table, one reference each.
 
-        Raises ValueError (and changes nothing) for an id out of range, a free block, a block
-        the owner already holds, or a repeated id.
+        They are appended, or with `prepend` put before the blocks the owner already holds (a
+        sequence that takes a prompt's blocks after its own answer blocks were reserved).
+        Raises ValueError (and changes nothing) for an id out of range, a free block that is
+        not cached, a block the owner already holds, or a repeated id.
         """
         table = self._tables.get(owner, [])
         held = set(table)
         for block_id in block_ids:
             if not 0 <= block_id < self._num_blocks:
                 raise ValueError(f"block {block_id} is not in the pool")
-            if self._refcounts[block_id] == 0:
+            if self._refcounts[block_id] == 0 and not (
+                self._cache is not None and self._cache.is_cached_free(block_id)
+            ):
                 raise ValueError(f"block {block_id} is free; only blocks in use can be shared")
             if block_id in held:
                 raise ValueError(f"{owner!r} already holds block {block_id}")
             held.add(block_id)
         for block_id in block_ids:
+            if self._refcounts[block_id] == 0:
+                self._cache.on_reuse(block_id)
             self._refcounts[block_id] += 1
-        self._tables[owner] = table + list(block_ids)
+        added = list(block_ids)
+        self._tables[owner] = added + table if prepend else table + added
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Blocks of the longest published prefix of `hashes`; empty without a cache."""
+        return [] if self._cache is None else self._cache.lookup(hashes)
+
+    def publish(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Publish a held block whose KV is complete; False when not cached (see PrefixCache)."""
+        if self._cache is None or self._refcounts[block_id] == 0:
+            return False
+        return self._cache.publish(block_id, block_hash)
 
     def table(self, owner: str) -> tuple[int, ...]:
         """The owner's block table in allocation order; empty for an unknown owner."""
         return tuple(self._tables.get(owner, ()))
 
     def release(self, owner: str) -> int:
-        """Drop every reference `owner` holds; returns how many blocks went back to the free list.
+        """Drop every reference `owner` holds; returns how many blocks nobody references now.
 
         Idempotent: an unknown (or already released) owner returns 0.
         """
@@ -115,7 +154,8 @@ class BlockPool:
         for block_id in reversed(table):
             self._refcounts[block_id] -= 1
             if self._refcounts[block_id] == 0:
-                self._free[block_id] = None
+                if self._cache is None or not self._cache.on_free(block_id):
+                    self._free[block_id] = None
                 num_freed += 1
         return num_freed
 
@@ -130,7 +170,8 @@ class BlockPool:
         return tuple(self._tables)
 
     def check_whole(self) -> bool:
-        """True when free + used == total and every refcount equals the tables' references."""
+        """True when free + cached-free + used == total and every refcount equals the tables'
+        references."""
         references = Counter(block_id for table in self._tables.values() for block_id in table)
         if any(not 0 <= block_id < self._num_blocks for block_id in references):
             return False
@@ -138,9 +179,14 @@ class BlockPool:
             count = self._refcounts[block_id]
             if count != references.get(block_id, 0):
                 return False
-            if (count == 0) != (block_id in self._free):
+            cached_free = self._cache is not None and self._cache.is_cached_free(block_id)
+            if block_id in self._free and cached_free:
                 return False
-        return len(self._free) + sum(1 for count in self._refcounts if count > 0) == (
+            if (count == 0) != (block_id in self._free or cached_free):
+                return False
+        if self._cache is not None and not self._cache.check_whole():
+            return False
+        return self.num_free + sum(1 for count in self._refcounts if count > 0) == (
             self._num_blocks
         )
 

@@ -25,6 +25,19 @@ class ChunkPlan:
     block_ids: tuple[int, ...]
     is_prefill: bool
     samples: bool
+    # The sequences sampling from this chunk's last row when that is more than the chunk's own:
+    # the chunk completing an n > 1 prompt samples each answer (empty: just `request_id`).
+    sample_ids: tuple[str, ...] = ()
+    # The input token ids of the chunk's rows, built on the loop thread at planning time
+    # (empty when the scheduler was given counts only).
+    token_ids: tuple[int, ...] = ()
+
+    @property
+    def sampler_ids(self) -> tuple[str, ...]:
+        """The sequences that get a token from this chunk (none when it does not sample)."""
+        if not self.samples:
+            return ()
+        return self.sample_ids or (self.request_id,)
 
     @property
     def end(self) -> int:
@@ -33,17 +46,31 @@ class ChunkPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy block `source`'s KV into block `target`, for sequence `request_id`, before the
+    forward pass: an n > 1 prompt's partly filled last block, one copy per answer but the first."""
+
+    request_id: str
+    source: int
+    target: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     """The rows of one forward pass.
 
     `chunks` holds prefill chunks first, then decode rows, each group in arrival order.
     `waiting_ids` names the running sequences that got no rows this step, in arrival order;
-    they keep their slot and blocks and are planned again next step.
+    they keep their slot and blocks and are planned again next step. `copies` are block copies
+    to run before the forward pass.
     """
 
     step: int
     chunks: tuple[ChunkPlan, ...]
     waiting_ids: tuple[str, ...] = ()
+    # KV block copies (source, target) to run before the forward pass: an n > 1 prompt's partly
+    # filled last block, copied for each answer but the first.
+    copies: tuple[BlockCopy, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -64,3 +91,12 @@ class StepPlan:
     def request_ids(self) -> tuple[str, ...]:
         """The sequences that get rows, in plan order."""
         return tuple(chunk.request_id for chunk in self.chunks)
+
+    @property
+    def touched_ids(self) -> tuple[str, ...]:
+        """Every sequence whose KV or output this step writes: rows, samples and copies."""
+        ids = dict.fromkeys(self.request_ids)
+        for chunk in self.chunks:
+            ids.update(dict.fromkeys(chunk.sampler_ids))
+        ids.update(dict.fromkeys(copy.request_id for copy in self.copies))
+        return tuple(ids)

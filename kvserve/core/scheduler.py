@@ -1,13 +1,25 @@
 """Whom to admit and what each step computes: slots, blocks, chunked prefill, decode rows.
 
-The scheduler owns every running sequence's `SeqState`, its slot and (through the pool) its
-blocks. One loop drives it, three calls per step:
+The scheduler owns every running sequence's `SeqState` (its tokens, counts, slot and, through
+the pool, its blocks). One loop drives it, three calls per step:
 
-    plan = scheduler.schedule()     # what to compute
-    ...                             # the engine runs the plan and samples
-    scheduler.update(plan)          # what was computed
-    scheduler.release(request_id)   # for each finished / cancelled / failed sequence
-    admit_waiting(scheduler, queue) # between steps: the admission round
+    plan = scheduler.schedule()                      # what to compute
+    output = ...                                     # the engine runs the plan and samples
+    scheduler.update_from_output(plan, sampled)      # what was computed; publishes full blocks
+    scheduler.release(request_id)                    # each finished / cancelled / failed one
+    admit_waiting(scheduler, queue)                  # between steps: the admission round
+
+Prefix caching (a pool built with `prefix_caching=True`, kvserve/core/prefix.py): a sequence
+admitted with its prompt's token ids takes the longest published prefix of its prompt, in whole
+blocks, capped so the last prompt token is computed (its logits are sampled). Reused blocks take
+a reference; the reservation counts only the blocks still to fill. A full block is published
+only in `update_from_output`, after the step that wrote it has landed.
+
+n > 1 (`Prompt.n`): one request, n sequences admitted all or nothing. The first (the leader)
+prefills; the others wait. The chunk that completes the prompt samples n tokens from its last
+row; then each follower takes the prompt's full blocks by reference and a copy of the partly
+filled last block (`StepPlan.copies`, run before the next forward pass), so no sequence writes
+into a block another can read.
 
 Admission policies (`SchedulerConfig.admission`):
 
@@ -29,11 +41,13 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.blocks import BlockPool
-from kvserve.core.plan import ChunkPlan, StepPlan
+from kvserve.core.plan import BlockCopy, ChunkPlan, StepPlan
+from kvserve.core.prefix import BlockHash, block_hashes
 from kvserve.core.queue import AdmissionQueue, CapacitySignal, Outcome, Waiter
 
 
@@ -51,9 +65,31 @@ class Infeasible(ValueError):
         self.reason = reason
 
 
+def choice_id(request_id: str, index: int) -> str:
+    """The sequence id of choice `index` of a request (choice 0 is the request id itself)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """What admission needs beyond counts: the prompt's tokens (for prefix lookups), the
+    tenant's cache salt, and the number of answers sampled from it."""
+
+    token_ids: tuple[int, ...] = ()
+    salt: str | None = None
+    n: int = 1
+    # False when every prompt row must be computed (its logits are wanted, e.g. for prompt
+    # log-probabilities): cached blocks never stand in for them. Its blocks are still published.
+    reuse: bool = True
+
+
 @dataclass(slots=True)
 class SeqState:
-    """A running sequence as the scheduler sees it: counts only, no tokens."""
+    """A running sequence: its tokens and counts, kept in this one place.
+
+    `prompt_token_ids` is empty when the caller admitted by counts only (the simulator, policy
+    tests); such a sequence is never looked up in or published to the prefix cache.
+    """
 
     request_id: str
     num_prompt_tokens: int
@@ -62,6 +98,33 @@ class SeqState:
     slot: int
     num_computed: int = 0  # positions whose KV has been computed
     num_output: int = 0  # tokens sampled so far
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    salt: str | None = None
+    num_cached_tokens: int = 0  # prompt positions taken from the prefix cache at admission
+    index: int = 0  # which of the request's n answers
+    leader_id: str | None = None  # n > 1: the sequence prefilling for this one, until forked
+    follower_ids: tuple[str, ...] = ()  # n > 1, on the leader: the sequences it prefills for
+    block_hashes: list[BlockHash] = field(default_factory=list)  # full blocks known so far
+    num_published: int = 0  # leading blocks already published (or taken from the cache)
+
+    @property
+    def tokens_known(self) -> bool:
+        """Whether every prompt and sampled token id is held (required for prefix caching)."""
+        return (
+            len(self.prompt_token_ids) == self.num_prompt_tokens
+            and len(self.output_token_ids) == self.num_output
+        )
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then sampled tokens."""
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def awaits_fork(self) -> bool:
+        """A follower whose leader has not finished the shared prompt yet."""
+        return self.leader_id is not None
 
     @property
     def is_prefilling(self) -> bool:
@@ -104,6 +167,7 @@ class Scheduler:
         self._by_id: dict[str, SeqState] = {}
         self._num_steps = 0
         self._pending_step: int | None = None  # the planned step awaiting update()
+        self._pending_copies: list[BlockCopy] = []  # for the next plan
         self._batch_open = True
 
     # -- introspection -------------------------------------------------------------------------
@@ -169,8 +233,9 @@ class Scheduler:
             return max_tokens
         return max(self.max_sequence_tokens - num_prompt_tokens, 0)
 
-    def check(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        """Return the reserve, or raise Infeasible when the request could never run."""
+    def check(self, num_prompt_tokens: int, max_tokens: int | None, n: int = 1) -> int:
+        """Return the reserve, or raise Infeasible when the request could never run (with
+        `n` answers: the prompt's blocks once, each answer's blocks n times, n slots)."""
         context = self._max_model_len
         pool_tokens = self._pool.num_blocks * self._pool.block_size
         if num_prompt_tokens < 1:
@@ -203,6 +268,20 @@ class Scheduler:
                 f"the KV cache holds at most {pool_tokens} tokens; {total} were requested "
                 f"({num_prompt_tokens} in the prompt, {reserve} for the answer)",
             )
+        if n > 1:
+            if n > self.config.max_num_seqs:
+                raise Infeasible(
+                    "n", f"n is {n}; at most {self.config.max_num_seqs} sequences run at once"
+                )
+            needed = self._pool.blocks_for(total) + (n - 1) * self._follower_blocks(
+                num_prompt_tokens, reserve
+            )
+            if self.config.admission == "reserve" and needed > self._pool.num_blocks:
+                raise Infeasible(
+                    "n",
+                    f"{n} answers of up to {reserve} tokens to a {num_prompt_tokens}-token "
+                    f"prompt need {needed} KV blocks; the cache has {self._pool.num_blocks}",
+                )
         return reserve
 
     # -- admission -----------------------------------------------------------------------------
@@ -212,37 +291,115 @@ class Scheduler:
             return 0
         return self._pool.blocks_for(num_prompt_tokens + reserve)
 
-    def can_admit(self, num_prompt_tokens: int, reserve: int) -> bool:
-        """Whether `admit` would succeed now."""
-        return (
-            self.batch_open
-            and bool(self._free_slots)
-            and self._pool.num_free >= self._num_blocks_to_reserve(num_prompt_tokens, reserve)
+    def _prefix_hits(self, num_prompt_tokens: int, prompt: Prompt | None) -> list[int]:
+        """Cached blocks the prompt can reuse: whole blocks, leaving its last token to compute."""
+        if prompt is None or not prompt.reuse or len(prompt.token_ids) != num_prompt_tokens:
+            return []
+        if self._pool.cache is None:
+            return []
+        max_blocks = (num_prompt_tokens - 1) // self._pool.block_size
+        token_ids = prompt.token_ids[: max_blocks * self._pool.block_size]
+        hashes = block_hashes(token_ids, self._pool.block_size, prompt.salt)
+        return self._pool.lookup(hashes)
+
+    def _admission_cost(
+        self, num_prompt_tokens: int, reserve: int, prompt: Prompt | None
+    ) -> tuple[list[int], int, int]:
+        """(prefix hits, fresh blocks to allocate, blocks that must be available) for admission.
+
+        Available blocks are free and cached-free ones, less the cached-free hits this very
+        admission takes back (they stop being evictable).
+        """
+        hits = self._prefix_hits(num_prompt_tokens, prompt)
+        n = 1 if prompt is None else prompt.n
+        fresh = max(self._num_blocks_to_reserve(num_prompt_tokens, reserve) - len(hits), 0)
+        if n > 1:
+            fresh += (n - 1) * self._follower_blocks(num_prompt_tokens, reserve)
+        cache = self._pool.cache
+        revived = sum(
+            1 for block_id in hits if cache is not None and cache.is_cached_free(block_id)
         )
+        return hits, fresh, fresh + revived
+
+    def _follower_blocks(self, num_prompt_tokens: int, reserve: int) -> int:
+        """Blocks a follower owns: all but the prompt's full blocks (taken by reference), or
+        under slot-only admission just the copy of the partly filled last block."""
+        shared = num_prompt_tokens // self._pool.block_size
+        partial = 1 if num_prompt_tokens % self._pool.block_size else 0
+        if self.config.admission == "slot-only":
+            return partial
+        return self._pool.blocks_for(num_prompt_tokens + reserve) - shared
+
+    def can_admit(self, num_prompt_tokens: int, reserve: int, prompt: Prompt | None = None) -> bool:
+        """Whether `admit` would succeed now."""
+        n = 1 if prompt is None else prompt.n
+        if not self.batch_open or len(self._free_slots) < n:
+            return False
+        _, _, needed = self._admission_cost(num_prompt_tokens, reserve, prompt)
+        return self._pool.num_free >= needed
 
     def admit(
-        self, request_id: str, num_prompt_tokens: int, reserve: int, arrival: int
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        reserve: int,
+        arrival: int,
+        prompt: Prompt | None = None,
     ) -> SeqState | None:
-        """Give the request a slot (and under "reserve" its blocks) or nothing: None."""
-        if request_id in self._by_id:
+        """Give the request a slot (and under "reserve" its blocks) or nothing: None.
+
+        With `prompt`, the longest cached prefix is reused, and `prompt.n` sequences are
+        admitted together (ids from `choice_id`); the leader (choice 0) is returned.
+        """
+        n = 1 if prompt is None else prompt.n
+        ids = [choice_id(request_id, index) for index in range(n)]
+        if any(seq_id in self._by_id for seq_id in ids):
             raise ValueError(f"{request_id!r} is already running")
-        if num_prompt_tokens < 1 or reserve < 1:
+        if num_prompt_tokens < 1 or reserve < 1 or n < 1:
             raise ValueError("a sequence needs a prompt token and an answer budget")
-        if not self.can_admit(num_prompt_tokens, reserve):
+        if not self.can_admit(num_prompt_tokens, reserve, prompt):
             return None
-        num_blocks = self._num_blocks_to_reserve(num_prompt_tokens, reserve)
-        if self._pool.allocate(request_id, num_blocks) is None:
-            return None
-        seq = SeqState(
-            request_id=request_id,
-            num_prompt_tokens=num_prompt_tokens,
-            max_tokens=reserve,
-            arrival=arrival,
-            slot=heapq.heappop(self._free_slots),
-        )
-        bisect.insort(self._running, seq, key=lambda s: s.arrival)
-        self._by_id[request_id] = seq
-        return seq
+        hits, _, _ = self._admission_cost(num_prompt_tokens, reserve, prompt)
+        # Take the hits first: an allocation below may evict cached-free blocks, never these.
+        self._pool.share(request_id, hits)
+        own = max(self._num_blocks_to_reserve(num_prompt_tokens, reserve) - len(hits), 0)
+        if self._pool.allocate(request_id, own) is None:
+            raise AssertionError("the pool refused an allocation can_admit allowed")
+        for seq_id in ids[1:]:
+            if (
+                self._pool.allocate(seq_id, self._follower_blocks(num_prompt_tokens, reserve))
+                is None
+            ):
+                raise AssertionError("the pool refused an allocation can_admit allowed")
+        token_ids = () if prompt is None else prompt.token_ids
+        salt = None if prompt is None else prompt.salt
+        num_cached = len(hits) * self._pool.block_size
+        hashes: list[BlockHash] = []
+        if self._pool.cache is not None and len(token_ids) == num_prompt_tokens:
+            hashes = block_hashes(token_ids, self._pool.block_size, salt)
+        seqs = []
+        for index, seq_id in enumerate(ids):
+            seq = SeqState(
+                request_id=seq_id,
+                num_prompt_tokens=num_prompt_tokens,
+                max_tokens=reserve,
+                arrival=arrival,
+                slot=heapq.heappop(self._free_slots),
+                prompt_token_ids=token_ids,
+                salt=salt,
+                num_cached_tokens=num_cached,
+                index=index,
+                leader_id=None if index == 0 else request_id,
+            )
+            if index == 0:
+                seq.num_computed = num_cached
+                seq.block_hashes = hashes
+                seq.num_published = len(hits)
+                seq.follower_ids = tuple(ids[1:])
+            bisect.insort(self._running, seq, key=lambda s: (s.arrival, s.index))
+            self._by_id[seq_id] = seq
+            seqs.append(seq)
+        return seqs[0]
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -269,6 +426,9 @@ class Scheduler:
         decode_chunks: list[ChunkPlan] = []
         waiting_ids: list[str] = []
         for seq in self._running:
+            if seq.awaits_fork:
+                waiting_ids.append(seq.request_id)
+                continue
             if not seq.is_prefilling:
                 continue
             num_tokens = min(
@@ -284,7 +444,7 @@ class Scheduler:
             end = seq.num_computed + num_tokens
             prefill_chunks.append(self._chunk(seq, num_tokens, end == seq.num_prompt_tokens))
         for seq in self._running:
-            if seq.is_prefilling:
+            if seq.is_prefilling or seq.awaits_fork:
                 continue
             # A spent answer budget means the engine has not released a finished sequence
             # yet; another row would sample past max_tokens and then outgrow the reservation.
@@ -303,13 +463,31 @@ class Scheduler:
         self._pending_step = step
         order = {seq.request_id: index for index, seq in enumerate(self._running)}
         waiting_ids.sort(key=order.__getitem__)
+        # A follower released since its fork needs no copy (its block may belong to another).
+        copies = tuple(c for c in self._pending_copies if c.request_id in self._by_id)
+        self._pending_copies = []
         return StepPlan(
             step=step,
             chunks=tuple(prefill_chunks + decode_chunks),
             waiting_ids=tuple(waiting_ids),
+            copies=copies,
         )
 
     def _chunk(self, seq: SeqState, num_tokens: int, samples: bool) -> ChunkPlan:
+        sample_ids: tuple[str, ...] = ()
+        if samples:
+            # The chunk completing a leader's prompt samples every answer from its last row.
+            sample_ids = (seq.request_id, *seq.follower_ids) if seq.is_prefilling else ()
+        token_ids: tuple[int, ...] = ()
+        if seq.tokens_known:
+            end = seq.num_computed + num_tokens
+            prompt_part = seq.prompt_token_ids[seq.num_computed : end]
+            output_part = seq.output_token_ids[
+                max(seq.num_computed - seq.num_prompt_tokens, 0) : max(
+                    end - seq.num_prompt_tokens, 0
+                )
+            ]
+            token_ids = (*prompt_part, *output_part)
         return ChunkPlan(
             request_id=seq.request_id,
             slot=seq.slot,
@@ -318,10 +496,19 @@ class Scheduler:
             block_ids=self._pool.table(seq.request_id),
             is_prefill=seq.is_prefilling,
             samples=samples,
+            sample_ids=sample_ids,
+            token_ids=token_ids,
         )
 
     def update(self, plan: StepPlan) -> None:
-        """Record that `plan` ran: advance each sequence's computed positions and outputs.
+        """Record that `plan` ran, without token ids (the simulator, policy tests)."""
+        self.update_from_output(plan, None)
+
+    def update_from_output(self, plan: StepPlan, sampled: Mapping[str, int] | None) -> None:
+        """Record that `plan` ran and landed: advance each sequence's computed positions, append
+        the tokens sampled for it (`sampled`: sequence id -> token id; None counts samples
+        without ids), fork the followers of a leader whose prompt is done, and publish every
+        block the step completed.
 
         Chunks of sequences released while the step ran are skipped. A plan other than the
         last one handed out, or one already applied, raises ValueError.
@@ -339,9 +526,60 @@ class Scheduler:
             if seq is None:
                 continue
             seq.num_computed += chunk.num_tokens
-            if chunk.samples:
-                seq.num_output += 1
+            if not chunk.samples:
+                self._publish(seq)
+                continue
+            for seq_id in chunk.sampler_ids:
+                target = self._by_id.get(seq_id)
+                if target is None:
+                    continue
+                if target.awaits_fork:
+                    self._fork(seq, target)
+                target.num_output += 1
+                if sampled is not None and seq_id in sampled:
+                    target.output_token_ids.append(sampled[seq_id])
+            self._publish(seq)
         self._pending_step = None
+
+    def abort(self, plan: StepPlan) -> None:
+        """The step failed: nothing it planned counts and nothing is published. The caller
+        releases every sequence the step touched (`plan.touched_ids`)."""
+        if plan.step != self._pending_step:
+            raise ValueError(f"step {plan.step} is not the pending step ({self._pending_step})")
+        self._pending_step = None
+
+    def _fork(self, leader: SeqState, follower: SeqState) -> None:
+        """The leader's prompt is computed: the follower takes its full blocks by reference and
+        a copy of its partly filled last block, and continues from the end of the prompt."""
+        block_size = self._pool.block_size
+        num_full = leader.num_prompt_tokens // block_size
+        leader_table = self._pool.table(leader.request_id)
+        self._pool.share(follower.request_id, leader_table[:num_full], prepend=True)
+        if leader.num_prompt_tokens % block_size:
+            own = self._pool.table(follower.request_id)
+            self._pending_copies.append(
+                BlockCopy(follower.request_id, leader_table[num_full], own[num_full])
+            )
+        follower.num_computed = leader.num_prompt_tokens
+        follower.block_hashes = list(leader.block_hashes[:num_full])
+        follower.num_published = num_full  # the leader publishes the shared blocks
+        follower.leader_id = None
+
+    def _publish(self, seq: SeqState) -> None:
+        """Publish the sequence's full blocks that are computed and not yet published."""
+        if self._pool.cache is None or not seq.tokens_known:
+            return
+        block_size = self._pool.block_size
+        num_full = seq.num_computed // block_size
+        if num_full <= seq.num_published:
+            return
+        if len(seq.block_hashes) < num_full:
+            tokens = seq.all_token_ids[: num_full * block_size]
+            seq.block_hashes = block_hashes(tokens, block_size, seq.salt, known=seq.block_hashes)
+        table = self._pool.table(seq.request_id)
+        for index in range(seq.num_published, num_full):
+            self._pool.publish(table[index], seq.block_hashes[index])
+        seq.num_published = num_full
 
     def is_stuck(self, plan: StepPlan) -> bool:
         """Sequences are running but `plan` has no rows: nothing can progress or finish."""
@@ -358,6 +596,11 @@ class Scheduler:
         seq = self._by_id.pop(request_id, None)
         if seq is None:
             return False
+        # Followers still waiting for this leader's prompt could never start without it.
+        for follower_id in seq.follower_ids:
+            follower = self._by_id.get(follower_id)
+            if follower is not None and follower.awaits_fork:
+                self.release(follower_id)
         index = bisect.bisect_left(self._running, seq.arrival, key=lambda s: s.arrival)
         while self._running[index] is not seq:
             index += 1
@@ -370,9 +613,14 @@ class Scheduler:
         return True
 
 
-def admit_waiting(scheduler: Scheduler, queue: AdmissionQueue) -> list[Waiter]:
+def admit_waiting(
+    scheduler: Scheduler,
+    queue: AdmissionQueue,
+    prompts: Callable[[str], Prompt | None] | None = None,
+) -> list[Waiter]:
     """The admission round: take any pending capacity signal and run one pass over the queue.
 
+    `prompts` gives a waiter's Prompt (tokens, salt, n) by request id, when the caller has them.
     The pass runs even without a signal, because a new arrival can be admissible without any
     release. Afterwards no waiter is left that the queue's rules and the free capacity would
     admit (a second pass would admit nobody).
@@ -381,7 +629,11 @@ def admit_waiting(scheduler: Scheduler, queue: AdmissionQueue) -> list[Waiter]:
     return queue.drive(
         lambda waiter: (
             scheduler.admit(
-                waiter.request_id, waiter.num_prompt_tokens, waiter.reserve, waiter.arrival
+                waiter.request_id,
+                waiter.num_prompt_tokens,
+                waiter.reserve,
+                waiter.arrival,
+                None if prompts is None else prompts(waiter.request_id),
             )
             is not None
         )
@@ -395,6 +647,7 @@ def admit_or_enqueue(
     num_prompt_tokens: int,
     reserve: int,
     now: float,
+    prompt: Prompt | None = None,
 ) -> Outcome | Waiter:
     """A new request at the door: admit it at once if nobody waits and it fits, else queue it.
 
@@ -402,8 +655,8 @@ def admit_or_enqueue(
     Outcome.QUEUE_FULL (refused: 429), or the Waiter now in the queue. Nobody is overtaken:
     the direct path is taken only when the queue is empty.
     """
-    if len(queue) == 0 and scheduler.can_admit(num_prompt_tokens, reserve):
-        seq = scheduler.admit(request_id, num_prompt_tokens, reserve, queue.next_arrival())
+    if len(queue) == 0 and scheduler.can_admit(num_prompt_tokens, reserve, prompt):
+        seq = scheduler.admit(request_id, num_prompt_tokens, reserve, queue.next_arrival(), prompt)
         if seq is not None:
             return Outcome.ADMITTED
     waiter = queue.offer(request_id, num_prompt_tokens, reserve, now)

@@ -1,17 +1,17 @@
 """Batch: the mechanism that turns a StepPlan into one forward pass and samples.
 
-It never decides who runs; the Scheduler did. Given the plan and each request's tokens so far,
-it builds the flat inputs (token ids, positions, slots, block tables), runs the model, and
-samples one token for every chunk whose last row needs logits. A prefill chunk of a request that
-asked for prompt logprobs has logits computed for every row, and each prompt token they predict
-is scored.
+It never decides who runs; the Scheduler did. Given the plan (which carries every row's input
+token id, built on the loop thread) and the row states of the sequences that sample, it runs the
+plan's block copies, builds the flat inputs (token ids, positions, slots, block tables), runs the
+model, and samples one token for every sequence sampling from a chunk's last row. A prefill
+chunk whose prompt is to be scored (prompt log-probabilities) has logits computed for every
+row, and each prompt token they predict is scored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -23,14 +23,8 @@ from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.llama import LlamaModel
 
-
-class SequenceTokens(Protocol):
-    """What the Batch reads from a request: its tokens and how to sample it."""
-
-    @property
-    def all_token_ids(self) -> Sequence[int]: ...  # prompt then output
-
-    def row_state(self) -> RowState: ...
+ScoredPrompts = Mapping[str, tuple[Sequence[int], int]]
+"""Sequences whose prefill chunks score their prompt: id -> (prompt token ids, alternatives)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,20 +36,20 @@ class Sampled:
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    sampled: dict[str, Sampled]  # request_id -> the token its sampling chunk produced
+    sampled: dict[str, Sampled]  # sequence id -> the token it sampled
     num_rows: int
-    # request_id -> the prompt tokens this step's rows predicted (positions chunk.start + 1
-    # onwards, in order), for requests that asked for prompt logprobs
+    # sequence id -> the prompt tokens this step's rows predicted (positions chunk.start + 1
+    # onwards, in order), for the chunks of `scored` prompts
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class _Scoring:
-    """Which logits rows score which prompt tokens, in a step with prompt-logprob chunks."""
+    """Which logits rows score which prompt tokens, in a step with scored prefill chunks."""
 
     logits_rows: list[int]  # flat batch rows whose logits the model returns
     sample_rows: list[int]  # positions in those logits of the sampling chunks' rows
-    # (request_id, position in the logits of its first row, the tokens predicted, top count)
+    # (sequence id, position in the logits of its first row, the tokens predicted, top count)
     chunks: list[tuple[str, int, Sequence[int], int]]
 
 
@@ -70,29 +64,41 @@ class Batch:
         self.block_size = kv_cache.block_size
 
     def inputs(
-        self, plan: StepPlan, sequences: Mapping[str, SequenceTokens]
-    ) -> tuple[torch.Tensor, list[str], list[RowState]]:
-        """Flat token ids for every row, and the sampling chunks' request ids and row states."""
+        self, plan: StepPlan, rows: Mapping[str, RowState]
+    ) -> tuple[torch.Tensor, list[str], list[RowState], list[int]]:
+        """Flat token ids for every row; the sampling sequences, their row states, and for each
+        the index of the logits row it samples from (several when n > 1 share a prompt)."""
         token_ids: list[int] = []
         sampling_ids: list[str] = []
-        rows: list[RowState] = []
+        states: list[RowState] = []
+        logits_rows: list[int] = []
+        num_sampling_chunks = 0
         for chunk in plan.chunks:
-            seq = sequences[chunk.request_id]
-            tokens = seq.all_token_ids
-            token_ids.extend(tokens[chunk.start : chunk.start + chunk.num_tokens])
+            if len(chunk.token_ids) != chunk.num_tokens:
+                raise ValueError(f"chunk of {chunk.request_id!r} carries no input tokens")
+            token_ids.extend(chunk.token_ids)
             if chunk.samples:
-                sampling_ids.append(chunk.request_id)
-                rows.append(seq.row_state())
+                for seq_id in chunk.sampler_ids:
+                    sampling_ids.append(seq_id)
+                    states.append(rows[seq_id])
+                    logits_rows.append(num_sampling_chunks)
+                num_sampling_chunks += 1
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        return ids, sampling_ids, rows
+        return ids, sampling_ids, states, logits_rows
 
-    def execute(self, plan: StepPlan, sequences: Mapping[str, SequenceTokens]) -> StepOutput:
-        """One forward pass over the plan's rows, then one sample per sampling chunk."""
+    def execute(
+        self, plan: StepPlan, rows: Mapping[str, RowState], scored: ScoredPrompts | None = None
+    ) -> StepOutput:
+        """The plan's block copies, one forward pass over its rows, then one sample per
+        sampling sequence (`rows`: its row state, by sequence id). The prefill chunks of the
+        `scored` sequences also score the prompt tokens their rows predict."""
+        for copy in plan.copies:
+            self.kv_cache.copy_block(copy.source, copy.target)
         if plan.num_rows == 0:
             return StepOutput({}, 0)
-        token_ids, sampling_ids, rows = self.inputs(plan, sequences)
+        token_ids, sampling_ids, states, logits_rows = self.inputs(plan, rows)
         meta = build_metadata(plan.chunks, self.block_size, self.device, native=self.model.native)
-        scoring = _scoring(plan, sequences)
+        scoring = _scoring(plan, scored) if scored else None
         if scoring is not None:
             meta.logits_indices = torch.tensor(
                 scoring.logits_rows, dtype=torch.long, device=self.device
@@ -100,30 +106,31 @@ class Batch:
         logits = self.model.forward(token_ids, meta, self.kv_cache)
         prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         if scoring is not None:
-            for request_id, first, targets, num_top in scoring.chunks:
-                scored = logits[first : first + len(targets)]
-                prompt_logprobs[request_id] = score_rows(scored, targets, num_top)
+            for seq_id, first, targets, num_top in scoring.chunks:
+                prompt_logprobs[seq_id] = score_rows(
+                    logits[first : first + len(targets)], targets, num_top
+                )
             logits = logits[
                 torch.tensor(scoring.sample_rows, dtype=torch.long, device=logits.device)
             ]
-        result = self.sampler.sample(logits, rows)
+        if len(logits_rows) != logits.shape[0]:
+            # logits: [sampling chunks, vocab] -> [sampling sequences, vocab]
+            index = torch.tensor(logits_rows, dtype=torch.long, device=logits.device)
+            logits = logits.index_select(0, index)
+        result = self.sampler.sample(logits, states)
         sampled = {
-            request_id: Sampled(token, logprob, top)
-            for request_id, token, logprob, top in zip(
+            seq_id: Sampled(token, logprob, top)
+            for seq_id, token, logprob, top in zip(
                 sampling_ids, result.token_ids, result.logprobs, result.top_logprobs, strict=True
             )
         }
         return StepOutput(sampled, plan.num_rows, prompt_logprobs)
 
 
-def _scoring(plan: StepPlan, sequences: Mapping[str, SequenceTokens]) -> _Scoring | None:
-    """The logits rows of a step where some prefill chunk wants its prompt scored; None (only
-    the sampling rows, the usual case) when none does."""
-    wanted = [
-        chunk.is_prefill
-        and sequences[chunk.request_id].row_state().params.prompt_logprobs is not None
-        for chunk in plan.chunks
-    ]
+def _scoring(plan: StepPlan, scored: ScoredPrompts) -> _Scoring | None:
+    """The logits rows of a step where some prefill chunk scores its prompt; None (only the
+    sampling rows, the usual case) when none does."""
+    wanted = [chunk.is_prefill and chunk.request_id in scored for chunk in plan.chunks]
     if not any(wanted):
         return None
     scoring = _Scoring([], [], [])
@@ -131,11 +138,10 @@ def _scoring(plan: StepPlan, sequences: Mapping[str, SequenceTokens]) -> _Scorin
     for chunk, scores in zip(plan.chunks, wanted, strict=True):
         last = row + chunk.num_tokens - 1
         if scores:
-            seq = sequences[chunk.request_id]
-            # Row p predicts position p + 1; during prefill the tokens are the prompt, so the
-            # last prompt row predicts nothing yet (its logits are the first sample's).
-            targets = seq.all_token_ids[chunk.start + 1 : chunk.end + 1]
-            num_top = seq.row_state().params.prompt_logprobs
+            prompt, num_top = scored[chunk.request_id]
+            # Row p predicts position p + 1; the last prompt row predicts nothing yet (its
+            # logits are the first sample's).
+            targets = prompt[chunk.start + 1 : chunk.end + 1]
             scoring.chunks.append((chunk.request_id, len(scoring.logits_rows), targets, num_top))
             scoring.logits_rows.extend(range(row, last + 1))
             if chunk.samples:

@@ -115,13 +115,7 @@ def engine_config(
         groups.setdefault(group, {})[field_name] = value
     top = groups.pop("", {})
     for group, values in groups.items():
-        current = getattr(config, group)
-        known = {f.name for f in dataclasses.fields(current)}
-        for field_name in [f for f in values if f not in known]:
-            # An option this build's engine has no setting for: off is what it does anyway.
-            if values.pop(field_name):
-                raise ValueError(f"{field_name}=True is not supported by this engine")
-        top[group] = dataclasses.replace(current, **values)
+        top[group] = dataclasses.replace(getattr(config, group), **values)
     return dataclasses.replace(config, **top)
 
 
@@ -243,24 +237,20 @@ class LLM:
                 p.validate(self.engine.model_config.vocab_size)
             except SamplingParamsError as exc:
                 raise ValueError(str(exc)) from None
-        # One engine request per completion: n > 1 runs as n requests, the i-th seeded with
-        # seed + i when a seed is given (vLLM's parallel sampling does the same).
-        requests = [
-            [GenerationRequest(ids, choice) for choice in _choices(p)]
-            for (_, ids), p in zip(items, params, strict=True)
-        ]
+        # One engine request per prompt: its n answers share one prefill, answer i drawing
+        # from seed + i when a seed is given.
+        requests = [GenerationRequest(ids, p) for (_, ids), p in zip(items, params, strict=True)]
 
-        async def run() -> list[list[list[Delta]]]:
+        async def run() -> list[list[Delta]]:
             streams = []
             try:
-                for group in requests:
-                    streams.append([self.engine.submit(r) for r in group])
+                for request in requests:
+                    streams.append(self.engine.submit(request))
             except BaseException:
-                for group in requests:
-                    for r in group:
-                        self.engine.cancel(r.request_id)
+                for request in requests:
+                    self.engine.cancel(request.request_id)
                 raise
-            return [await asyncio.gather(*(s.collect() for s in group)) for group in streams]
+            return list(await asyncio.gather(*(s.collect() for s in streams)))
 
         try:
             results = self._call(run())
@@ -272,17 +262,17 @@ class LLM:
         ]
 
     def _output(
-        self,
-        prompt: str | None,
-        requests: list[GenerationRequest],
-        results: list[list[Delta]],
+        self, prompt: str | None, request: GenerationRequest, results: list[Delta]
     ) -> RequestOutput:
+        final = results[-1]
+        if final.error is not None and final.finish_reason not in ("stop", "length"):
+            raise final.error
         outputs = []
         prompt_logprobs = None
-        for index, deltas in enumerate(results):
-            final = deltas[-1]
-            if final.error is not None and final.finish_reason not in ("stop", "length"):
-                raise final.error
+        wanted = request.params.logprobs is not None
+        for index in range(request.params.n):
+            deltas = [d for d in results if d.index == index]
+            ends = [d.finish_reason for d in deltas if d.finish_reason is not None]
             for delta in deltas:
                 if delta.prompt_logprobs is not None and prompt_logprobs is None:
                     prompt_logprobs = [
@@ -290,7 +280,6 @@ class LLM:
                         for entry in delta.prompt_logprobs
                     ]
             entries = [lp for d in deltas for lp in d.logprobs]
-            wanted = requests[index].params.logprobs is not None
             outputs.append(
                 CompletionOutput(
                     index=index,
@@ -298,13 +287,13 @@ class LLM:
                     token_ids=[t for d in deltas for t in d.token_ids],
                     cumulative_logprob=sum(e.logprob for e in entries) if wanted else None,
                     logprobs=[self._position(e) for e in entries] if wanted else None,
-                    finish_reason=final.finish_reason,
+                    finish_reason=ends[-1] if ends else final.finish_reason,
                 )
             )
         return RequestOutput(
-            request_id=requests[0].request_id,
+            request_id=request.request_id,
             prompt=prompt,
-            prompt_token_ids=list(requests[0].prompt_token_ids),
+            prompt_token_ids=list(request.prompt_token_ids),
             prompt_logprobs=prompt_logprobs,
             outputs=outputs,
         )
@@ -332,16 +321,6 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _choices(params: SamplingParams) -> list[SamplingParams]:
-    if params.n == 1:
-        return [params]
-    seed = params.seed
-    return [
-        dataclasses.replace(params, n=1, seed=None if seed is None else seed + index)
-        for index in range(params.n)
-    ]
 
 
 def _shut_down(engine: Engine, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:

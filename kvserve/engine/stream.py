@@ -28,7 +28,8 @@ class TokenLogprob:
 @dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int  # every answer's tokens, added up (n > 1)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
     @property
     def total_tokens(self) -> int:
@@ -37,10 +38,12 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """What one step added to a request's output, or its end.
+    """What one step added to one answer of a request, or the request's end.
 
     `text` holds only whole characters; it may be empty while bytes of a character, or a
-    possible stop string, are held back. The last delta has `finish_reason` and `usage`.
+    possible stop string, are held back. `index` names the answer (0 .. n-1). An answer's last
+    delta has its `finish_reason`; the stream's last delta (`finished`) also has `usage`. With
+    n = 1 those are the same delta.
     """
 
     text: str = ""
@@ -50,6 +53,7 @@ class Delta:
     usage: Usage | None = None
     error: EngineError | None = None
     timestamp: float = 0.0
+    index: int = 0
     # On the delta of the first generated token, when the request asked for prompt logprobs:
     # one entry per prompt token, None for the first (nothing precedes it).
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
@@ -57,7 +61,8 @@ class Delta:
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """The stream's last delta."""
+        return self.usage is not None
 
 
 class Stream:
@@ -138,4 +143,4 @@ class Stream:
         return [delta async for delta in self]
 
 
-_DONE = Delta(finish_reason="__done__")
+_DONE = Delta(finish_reason="__done__", usage=Usage(0, 0))

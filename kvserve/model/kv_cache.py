@@ -32,6 +32,13 @@ class PoolSize:
     def num_positions(self) -> int:
         return self.num_blocks * self.block_size
 
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy every layer's K and V (and int8 scales) of block `source` into block `target`."""
+        # kv: [layers, 2, kv_heads, num_blocks, block_size, head_dim]
+        self.kv[:, :, :, target] = self.kv[:, :, :, source]
+        if self.scales is not None:
+            self.scales[:, :, :, target] = self.scales[:, :, :, source]
+
     @property
     def num_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
@@ -170,6 +177,13 @@ class KVCache:
     def layer_scales(self, index: int) -> torch.Tensor | None:
         """`[2, kv_heads, num_blocks, block_size]` float32 for one layer of an int8 cache."""
         return None if self.scales is None else self.scales[index]
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy every layer's K and V (and int8 scales) of block `source` into block `target`."""
+        # kv: [layers, 2, kv_heads, num_blocks, block_size, head_dim]
+        self.kv[:, :, :, target] = self.kv[:, :, :, source]
+        if self.scales is not None:
+            self.scales[:, :, :, target] = self.scales[:, :, :, source]
 
     @property
     def num_bytes(self) -> int:

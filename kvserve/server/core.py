@@ -272,18 +272,24 @@ class ServerState:
         *,
         stream: bool,
         param_names: Mapping[str, str] = {},
+        cache_salt: str | None = None,
     ) -> Response:
         """Submit, wait for a slot while watching the client, then answer or stream.
 
         `param_names` renames the engine's parameters ("prompt", "max_tokens") to the fields
-        this request used, for the errors that name them."""
+        this request used, for the errors that name them. `cache_salt` isolates the request's
+        tenant in the prefix cache."""
         engine = self.require_engine()
         request_id = exchange.request_id
         exchange.prompt_tokens = len(prompt_ids)
         try:
             submitted = engine.submit(
                 GenerationRequest(
-                    tuple(prompt_ids), params, request_id=request_id, arrival_time=exchange.started
+                    tuple(prompt_ids),
+                    params,
+                    request_id=request_id,
+                    arrival_time=exchange.started,
+                    cache_salt=cache_salt,
                 )
             )
         except EngineError as exc:

@@ -96,7 +96,14 @@ class ServerMetrics(EngineObserver):
             "kvserve:num_kv_blocks", "Blocks in the KV cache pool.", registry=r
         )
         self.num_free_kv_blocks = Gauge(
-            "kvserve:num_free_kv_blocks", "Free blocks in the KV cache pool.", registry=r
+            "kvserve:num_free_kv_blocks",
+            "Blocks no request holds (free, or cached-free and evictable).",
+            registry=r,
+        )
+        self.num_cached_free_kv_blocks = Gauge(
+            "kvserve:num_cached_free_kv_blocks",
+            "Blocks no request holds that keep a cached prefix until evicted.",
+            registry=r,
         )
         for gauge, read in (
             (self.num_requests_running, lambda engine: engine.num_running),
@@ -104,6 +111,7 @@ class ServerMetrics(EngineObserver):
             (self.kv_cache_usage, lambda engine: engine.pool.usage),
             (self.num_kv_blocks, lambda engine: engine.pool.num_blocks),
             (self.num_free_kv_blocks, lambda engine: engine.pool.num_free),
+            (self.num_cached_free_kv_blocks, lambda engine: engine.pool.num_cached_free),
         ):
             gauge.set_function(self._reader(read))
         self.prompt_tokens = Counter(
@@ -111,6 +119,16 @@ class ServerMetrics(EngineObserver):
         )
         self.generation_tokens = Counter(
             "kvserve:generation_tokens", "Generated tokens.", registry=r
+        )
+        self.prefix_cache_queries = Counter(
+            "kvserve:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (admitted requests, cache on).",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "kvserve:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (their KV was reused, not computed).",
+            registry=r,
         )
         self.request_success = Counter(
             "kvserve:request_success",
@@ -163,13 +181,17 @@ class ServerMetrics(EngineObserver):
         if state.admitted_at is not None:
             self.request_queue_time.observe(state.admitted_at - state.request.arrival_time)
         self.prompt_tokens.inc(state.num_prompt_tokens)
+        engine = self._engine
+        if engine is not None and engine.pool.cache is not None:
+            self.prefix_cache_queries.inc(state.num_prompt_tokens)
+            self.prefix_cache_hits.inc(state.num_cached_tokens)
 
-    def on_token(self, state: RequestState, now: float) -> None:
+    def on_token(self, state: RequestState, now: float, num_tokens: int = 1) -> None:
         if state.last_token_at is None:
             self.time_to_first_token.observe(now - state.request.arrival_time)
         else:
             self.inter_token_latency.observe(now - state.last_token_at)
-        self.generation_tokens.inc()
+        self.generation_tokens.inc(num_tokens)
 
     def on_finished(self, state: RequestState) -> None:
         if state.finished_at is not None:

@@ -183,7 +183,10 @@ def test_api_key(server):
     [
         ("functions", [{"name": "f"}]),
         ("guided_regex", "a+"),
-        ("n", 2),
+        ("n", 129),  # above the limit
+        ("n", 3),  # more answers than the server runs sequences at once
+        ("n", 0),
+        ("cache_salt", ""),
         ("logit_bias", {"not-a-token": 1}),
         ("guided_json", {"type": "object"}),
     ],

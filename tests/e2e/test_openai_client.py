@@ -219,3 +219,100 @@ def test_errors_surface_as_openai_exceptions(client, model):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=model, messages=MESSAGES, temperature=3.5)
     assert caught.value.body["param"] == "temperature"
+
+
+# -- n > 1 and the prefix cache -----------------------------------------------------------------
+
+LONG_SYSTEM = "You answer in one short sentence. " * 12
+
+
+def _prefill_rows(server, request_id_part: str) -> int:
+    engine = server.state.engine
+    return sum(
+        n
+        for record in engine.step_log
+        for seq_id, _, n, is_prefill in record.chunks
+        if is_prefill and request_id_part in seq_id
+    )
+
+
+def test_chat_n_answers_with_indexes_and_usage_prefilled_once(client, model, server):
+    reply = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0.9,
+        seed=11,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert all(c.finish_reason == "length" and c.message.content for c in reply.choices)
+    assert reply.usage.completion_tokens == 12
+    request_id = reply.id.removeprefix("chatcmpl-")
+    # Prefilled once: the rows computing the prompt add up to the prompt, not twice it.
+    assert 0 < _prefill_rows(server, request_id) <= reply.usage.prompt_tokens
+    # (That seeded answer i equals the answer seed + i gives alone is checked exactly in
+    # float32: tests/engine/test_prefix_cache.py. This server runs bf16.)
+
+
+def test_completions_n_stream_interleaves_indexes_and_sums_usage(client, model, server):
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=5,
+            temperature=0.8,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert finishes == {0: "length", 1: "length"}
+    assert all(texts.values())
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == 10
+    request_id = chunks[0].id.removeprefix("cmpl-")
+    assert 0 < _prefill_rows(server, request_id) <= usage.prompt_tokens
+
+
+def test_a_repeated_prefix_is_reported_as_cached_and_counted(client, model, server, metrics):
+    messages = [{"role": "system", "content": LONG_SYSTEM}, *MESSAGES]
+    before = metrics(server)
+    first = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    other_tenant = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, temperature=0, extra_body={"cache_salt": "b"}
+    )
+    after = metrics(server)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32 and cached % 32 == 0 and cached < first.usage.prompt_tokens
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == (
+        first.choices[0].message.content
+    )
+    assert other_tenant.usage.prompt_tokens_details.cached_tokens == 0
+    queries = "kvserve:prefix_cache_queries_total"
+    hits = "kvserve:prefix_cache_hits_total"
+    assert after[queries] - before[queries] == 3 * first.usage.prompt_tokens
+    assert after[hits] - before[hits] == cached
+    assert "kvserve:num_cached_free_kv_blocks" in after

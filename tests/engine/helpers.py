@@ -58,8 +58,8 @@ def run_engine(
     return asyncio.run(main())
 
 
-def request(tokens, **params) -> GenerationRequest:
-    return GenerationRequest(tuple(tokens), SamplingParams(**params))
+def request(tokens, cache_salt: str | None = None, **params) -> GenerationRequest:
+    return GenerationRequest(tuple(tokens), SamplingParams(**params), cache_salt=cache_salt)
 
 
 async def collect(stream):

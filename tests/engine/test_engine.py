@@ -180,13 +180,24 @@ def test_reused_blocks_and_slots_carry_nothing_over(loaded_fp32):
     async def after_polluter(engine):
         await collect(
             engine.submit(
-                request(polluter, max_tokens=40, temperature=0.8, seed=5, repetition_penalty=1.1)
+                request(
+                    polluter,
+                    max_tokens=40,
+                    temperature=0.8,
+                    seed=5,
+                    repetition_penalty=1.1,
+                    ignore_eos=True,
+                )
             )
         )
         assert engine.pool.num_free == engine.pool.num_blocks
         return tokens_of(await collect(engine.submit(request(victim, **params))))
 
-    config = make_config(slots=1, blocks=16)  # one slot, a small pool: everything is reused
+    # One slot, and a pool exactly as large as the polluter's reservation: the polluter holds
+    # (and writes) every block, so every block the victim gets was dirtied by the polluter.
+    num_blocks = -(-(len(polluter) + 40) // 32)
+    assert -(-(len(victim) + 24) // 32) <= num_blocks
+    config = make_config(slots=1, blocks=num_blocks)
     assert run_engine(loaded_fp32, config, fresh) == run_engine(loaded_fp32, config, after_polluter)
 
 

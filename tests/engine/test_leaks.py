@@ -1,8 +1,10 @@
 """No leaks, property-tested: any interleaving of submits, cancels (queued, prefilling,
 decoding, waiting for a grammar, in the middle of a grammar), slow consumers, stop strings,
-max_tokens, queue timeouts and structured output drains to an idle engine:
-every block and slot free, the queue empty, no task or thread left behind, and every request
-ended exactly once with its own tokens.
+max_tokens, queue timeouts and structured output, over prompts that share a prefix (with or
+without a cache salt), asking for one answer or several, in a pool small enough that cached
+blocks are evicted and reused, drains to an idle engine: every block free or cached-free with
+no reference, every slot free, the queue empty, no task or thread left behind, and every
+request ended exactly once with its own tokens.
 
 Runs in float32: there a row's logits do not depend on its batch mates, so "its own tokens" can
 be checked exactly against the request run alone (in bf16, near-tied tokens may flip with the
@@ -33,7 +35,8 @@ WORDS = [
     "market",
     "garden",
 ]
-FINISH_REASONS = {"stop", "length", "cancelled", "slow_consumer", "queue_timeout"}
+FINISH_REASONS = {"stop", "length", "cancelled", "slow_consumer", "queue_timeout", "queue_full"}
+# (queue_full: the queue filled while the request's grammar compiled)
 
 behaviours = st.sampled_from(
     ["read", "read", "slow", "cancel_now", "cancel_at_step", "cancel_after_tokens"]
@@ -46,6 +49,9 @@ request_specs = st.fixed_dictionaries(
         "behaviour": behaviours,
         "delay_steps": st.integers(0, 6),
         "param": st.integers(0, 4),
+        "shared": st.booleans(),  # starts with the prefix every shared prompt starts with
+        "salt": st.sampled_from([None, None, "tenant"]),
+        "n": st.sampled_from([1, 1, 2]),
         "constrained": st.sampled_from([False, False, True]),
     }
 )
@@ -83,8 +89,10 @@ def reference_tokens(loaded, prompt_ids: tuple[int, ...], constrained: bool) -> 
     return _REFERENCE[key]
 
 
-def prompt(tokenizer, words: int, seed: int) -> list[int]:
+def prompt(tokenizer, words: int, seed: int, shared: bool = False) -> list[int]:
     text = " ".join(WORDS[(seed * 7 + i * 3) % len(WORDS)] for i in range(words))
+    if shared:  # 40 words: more than one full block, shared by every such prompt
+        text = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(40)) + " " + text
     return tokenizer.encode(text)
 
 
@@ -96,11 +104,13 @@ async def wait_for_step(engine: Engine, step: int) -> None:
 async def drive(engine: Engine, tokenizer, index: int, spec: dict) -> dict:
     await wait_for_step(engine, spec["delay_steps"])
     req = request(
-        prompt(tokenizer, spec["words"], index),
+        prompt(tokenizer, spec["words"], index, spec["shared"]),
         max_tokens=spec["max_tokens"],
         temperature=0,
         stop=[spec["stop"]] if spec["stop"] else [],
         ignore_eos=spec["param"] % 2 == 0,
+        n=spec["n"],
+        cache_salt=spec["salt"],
         structured=GRAMMAR if spec["constrained"] else None,
     )
     try:
@@ -171,7 +181,7 @@ def test_any_interleaving_drains_to_an_idle_engine(loaded_fp32, specs):
         if result["outcome"] == "queue_full":
             continue
         deltas = result["deltas"]
-        finals = [d for d in deltas if d.finish_reason is not None]
+        finals = [d for d in deltas if d.finished]  # the stream's end (each answer ends too)
         assert len(finals) == 1 and deltas[-1] is finals[0]  # ended exactly once, last
         final = finals[0]
         assert final.finish_reason in FINISH_REASONS
@@ -179,9 +189,12 @@ def test_any_interleaving_drains_to_an_idle_engine(loaded_fp32, specs):
         assert final.usage.completion_tokens == len(tokens) or final.finish_reason in (
             "slow_consumer",  # tokens produced but never taken count in usage
         )
-        assert len(tokens) <= spec["max_tokens"]
         if final.finish_reason == "cancelled":
             assert isinstance(final.error, RequestCancelled)
-        # Its own tokens, never another request's: what it got is what it gets alone.
+        # Its own tokens, never another request's: what each answer got is what the prompt
+        # gets alone (greedy, so all n answers are that one).
         expected = reference_tokens(loaded_fp32, result["prompt"], result["constrained"])
-        assert tokens == expected[: len(tokens)]
+        for index in range(spec["n"]):
+            answer = [t for d in deltas if d.index == index for t in d.token_ids]
+            assert len(answer) <= spec["max_tokens"]
+            assert answer == expected[: len(answer)]

@@ -176,7 +176,9 @@ def test_logprobs_flags():
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 129}, "n"),
+        ({"n": 0}, "n"),
+        ({"cache_salt": ""}, "cache_salt"),
         ({"temperature": 2.1}, "temperature"),
         ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
         ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
@@ -228,9 +230,14 @@ def test_chat_renderer_stream_shapes():
     last = json.loads(renderer.delta_chunk("", (), "stop"))
     assert last["choices"][0]["delta"] == {}
     assert last["choices"][0]["finish_reason"] == "stop"
-    usage = json.loads(renderer.usage_chunk(Usage(3, 4)))
+    usage = json.loads(renderer.usage_chunk(Usage(3, 4, cached_tokens=2)))
     assert usage["choices"] == []
-    assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
     assert {usage["id"], last["id"], chunk["id"]} == {"chatcmpl-1"}
 
 

@@ -47,19 +47,25 @@ class ChatRenderer(_Renderer):
     chunk_object = "chat.completion.chunk"
 
     def start_chunks(self) -> list[str]:
-        choice = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return [self._chunk([choice])]
+        return [
+            self._chunk(
+                [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for index in range(self.n)
+        ]
 
     def _choice(
-        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
+        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None, index: int
     ) -> dict[str, Any]:
         return {
-            "index": 0,
+            "index": index,
             "delta": {"content": text} if text or finish_reason is None else {},
             "logprobs": {"content": chat_logprobs(logprobs, self.token_bytes)}
             if logprobs
@@ -75,15 +81,16 @@ class ChatRenderer(_Renderer):
             "model": self.model,
             "choices": [
                 {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": self.text},
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
                     "logprobs": (
-                        {"content": chat_logprobs(self._logprobs, self.token_bytes)}
+                        {"content": chat_logprobs(logprobs, self.token_bytes)}
                         if self.want_logprobs
                         else None
                     ),
-                    "finish_reason": finish_reason,
+                    "finish_reason": reason,
                 }
+                for index, text, logprobs, reason in self.answers(finish_reason)
             ],
             "usage": usage_dict(usage),
         }
@@ -110,9 +117,13 @@ class ToolChatRenderer(ChatRenderer):
     # -- streaming
 
     def delta_chunks(
-        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
+        self,
+        text: str,
+        logprobs: Sequence[TokenLogprob],
+        finish_reason: str | None,
+        index: int = 0,
     ) -> list[str]:
-        chunks: list[str] = []
+        chunks: list[str] = []  # one answer: requests with tools have n = 1
         choice = self.plan.choice
         if choice == "auto":
             items = self._parser.feed(text) if text else []
@@ -122,7 +133,7 @@ class ToolChatRenderer(ChatRenderer):
                 if isinstance(item, ToolCall):
                     chunks += self._call_chunks(item)
                 else:
-                    chunks.append(self._chunk([self._choice(item, (), None)]))
+                    chunks.append(self._chunk([self._choice(item, (), None, 0)]))
         elif choice == "named":
             if text:
                 if self._named is None:
@@ -136,7 +147,7 @@ class ToolChatRenderer(ChatRenderer):
                 calls = parse_required(full)
                 if calls is None:
                     if full:
-                        chunks.append(self._chunk([self._choice(full, (), None)]))
+                        chunks.append(self._chunk([self._choice(full, (), None, 0)]))
                 else:
                     for call in calls:
                         chunks += self._call_chunks(call)
@@ -263,9 +274,11 @@ def register(app: FastAPI, state: ServerState) -> None:
             tokenizer.token_bytes,
         )
         if tools is not None and tools.offers_tools:
+            if params.n != 1:
+                raise APIError(400, "'n' above 1 is not supported with 'tools'", param="n")
             renderer = ToolChatRenderer(*renderer_args, logprobs=bool(body.logprobs), plan=tools)
         else:
-            renderer = ChatRenderer(*renderer_args, logprobs=bool(body.logprobs))
+            renderer = ChatRenderer(*renderer_args, logprobs=bool(body.logprobs), n=params.n)
         return await state.generate(
             request,
             exchange,
@@ -274,4 +287,5 @@ def register(app: FastAPI, state: ServerState) -> None:
             OpenAIStream(renderer, include_usage=body.include_usage),
             stream=bool(body.stream),
             param_names=engine_param_names(body),
+            cache_salt=body.cache_salt,
         )

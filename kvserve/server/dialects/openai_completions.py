@@ -51,10 +51,12 @@ class CompletionRenderer(_Renderer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self._text_offset = 0
+        self._text_offsets = [0] * self.n
         self._echo_text = echo_text
         self._echo_ids = list(echo_ids)
         self._echo_entries: list[TokenLogprob | int] | None = None
+        # The answers whose first chunk (or response entry) still owes the echoed prompt.
+        self._echo_pending = set(range(self.n)) if echo_text is not None else set()
         self._generate = generate
 
     def prompt_scored(self, entries: Sequence[TokenLogprob | None]) -> None:
@@ -64,38 +66,57 @@ class CompletionRenderer(_Renderer):
                 for token_id, entry in zip(self._echo_ids, entries, strict=True)
             ]
 
-    def _take_echo(self) -> tuple[str, list[TokenLogprob | int]]:
-        """The prompt's text and logprob entries, once (the first chunk or the response)."""
-        text, self._echo_text = self._echo_text or "", None
+    def _take_echo(self, index: int) -> tuple[str, list[TokenLogprob | int]]:
+        """The prompt's text and logprob entries, once per answer (its first chunk or its
+        entry in the response)."""
+        if index not in self._echo_pending:
+            return "", []
+        self._echo_pending.discard(index)
+        text = self._echo_text or ""
         entries = self._echo_entries or []
         if self.want_logprobs and text and not entries:
             entries = list(self._echo_ids)  # echo without scores: tokens, null logprobs
         return text, entries if self.want_logprobs else []
 
     def delta_chunk(
-        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
+        self,
+        text: str,
+        logprobs: Sequence[TokenLogprob],
+        finish_reason: str | None,
+        index: int = 0,
     ) -> str | None:
         if not self._generate:
             text, logprobs = "", ()
-        if self._echo_text is not None:
-            echo_text, echo_entries = self._take_echo()
+        if index in self._echo_pending:
+            echo_text, echo_entries = self._take_echo(index)
             text = echo_text + text
             logprobs = [*echo_entries, *(logprobs if self.want_logprobs else ())]
-        return super().delta_chunk(text, logprobs, finish_reason)
+        return super().delta_chunk(text, logprobs, finish_reason, index)
 
-    def add(self, text: str, logprobs: Sequence[TokenLogprob]) -> None:
-        if self._generate:
-            super().add(text, logprobs)
+    def add(
+        self,
+        text: str,
+        logprobs: Sequence[TokenLogprob],
+        index: int = 0,
+        finish_reason: str | None = None,
+    ) -> None:
+        if not self._generate:
+            text, logprobs = "", ()
+        super().add(text, logprobs, index, finish_reason)
 
     def _choice(
-        self, text: str, logprobs: Sequence[TokenLogprob | int], finish_reason: str | None
+        self,
+        text: str,
+        logprobs: Sequence[TokenLogprob | int],
+        finish_reason: str | None,
+        index: int,
     ) -> dict[str, Any]:
         rendered = None
         if logprobs:
-            rendered, self._text_offset = completion_logprobs(
-                logprobs, self.token_bytes, self._text_offset
+            rendered, self._text_offsets[index] = completion_logprobs(
+                logprobs, self.token_bytes, self._text_offsets[index]
             )
-        return {"index": 0, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
 
     def _usage(self, usage: Usage) -> Usage:
         return usage if self._generate else Usage(usage.prompt_tokens, 0)
@@ -104,23 +125,26 @@ class CompletionRenderer(_Renderer):
         return super().usage_chunk(self._usage(usage))
 
     def response(self, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        echo_text, echo_entries = self._take_echo()
-        logprobs = None
-        if self.want_logprobs:
-            logprobs, _ = completion_logprobs([*echo_entries, *self._logprobs], self.token_bytes, 0)
+        choices = []
+        for index, text, entries, reason in self.answers(finish_reason):
+            echo_text, echo_entries = self._take_echo(index)
+            logprobs = None
+            if self.want_logprobs:
+                logprobs, _ = completion_logprobs([*echo_entries, *entries], self.token_bytes, 0)
+            choices.append(
+                {
+                    "index": index,
+                    "text": echo_text + text,
+                    "logprobs": logprobs,
+                    "finish_reason": reason,
+                }
+            )
         return {
             "id": self.response_id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": echo_text + self.text,
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason,
-                }
-            ],
+            "choices": choices,
             "usage": usage_dict(self._usage(usage)),
         }
 
@@ -165,6 +189,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             int(time.time()),
             tokenizer.token_bytes,
             logprobs=body.logprobs is not None,
+            n=params.n,
             echo_text=echo_text,
             echo_ids=prompt_ids,
             generate=not body.scores_only,
@@ -177,4 +202,5 @@ def register(app: FastAPI, state: ServerState) -> None:
             OpenAIStream(renderer, include_usage=body.include_usage),
             stream=bool(body.stream),
             param_names=engine_param_names(body),
+            cache_salt=body.cache_salt,
         )

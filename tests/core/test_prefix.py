@@ -1,0 +1,246 @@
+"""Prefix caching and n > 1 in the scheduler and pool: hashes, hits, publishing, eviction,
+forks, and the accounting staying whole under any mix of them. No model: integers only."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.config import SchedulerConfig
+from kvserve.core import BlockPool, Prompt, Scheduler, block_hashes, choice_id
+from kvserve.core.prefix import chain_hash, root_hash
+
+BS = 4
+
+
+def make(num_blocks: int = 16, slots: int = 4, caching: bool = True, **config) -> Scheduler:
+    pool = BlockPool(num_blocks, BS, prefix_caching=caching)
+    return Scheduler(SchedulerConfig(max_num_seqs=slots, **config), pool, max_model_len=256)
+
+
+def run(scheduler: Scheduler, token: int = 7) -> list:
+    """One step; every sampled sequence gets `token`."""
+    plan = scheduler.schedule()
+    sampled = {seq_id: token for chunk in plan.chunks for seq_id in chunk.sampler_ids}
+    scheduler.update_from_output(plan, sampled)
+    return plan
+
+
+def drain(scheduler: Scheduler) -> None:
+    while scheduler.running:
+        run(scheduler)
+        for seq in scheduler.running:
+            if seq.has_reached_max_tokens:
+                scheduler.release(seq.request_id)
+
+
+def test_hashes_chain_from_the_salt_and_cover_full_blocks_only() -> None:
+    tokens = list(range(10))
+    hashes = block_hashes(tokens, BS)
+    assert len(hashes) == 2
+    assert hashes[0] == chain_hash(root_hash(None), tokens[:4])
+    assert hashes[1] == chain_hash(hashes[0], tokens[4:8])
+    assert block_hashes(tokens, BS, "tenant-a") != hashes
+    assert block_hashes(tokens, BS, "a")[0] != block_hashes(tokens, BS, "b")[0]
+    # The same block content under a different parent is a different block.
+    assert block_hashes([9, 9, 9, 9] + tokens[:4], BS)[1] != hashes[0]
+    assert block_hashes(tokens, BS, known=hashes[:1]) == hashes
+
+
+def test_a_second_request_reuses_published_blocks_and_computes_the_rest() -> None:
+    scheduler = make()
+    prompt = tuple(range(1, 11))  # 10 tokens: 2 full blocks
+    scheduler.admit("a", 10, 2, 0, Prompt(prompt))
+    assert scheduler.get("a").num_cached_tokens == 0
+    run(scheduler)  # the whole prompt in one chunk; both full blocks are published
+    assert scheduler.pool.cache.num_cached == 2
+    a_table = scheduler.pool.table("a")
+    scheduler.release("a")
+    assert scheduler.pool.num_cached_free == 2
+    seq = scheduler.admit("b", 10, 2, 1, Prompt(prompt))
+    assert seq.num_cached_tokens == 8 and seq.num_computed == 8
+    assert scheduler.pool.table("b")[:2] == a_table[:2]
+    assert scheduler.pool.num_cached_free == 0
+    plan = run(scheduler)
+    assert [(c.start, c.num_tokens) for c in plan.chunks] == [(8, 2)]
+    assert plan.chunks[0].token_ids == (9, 10)
+    scheduler.release("b")
+    assert scheduler.pool.check_whole()
+
+
+def test_a_prompt_of_whole_blocks_still_computes_its_last_token() -> None:
+    scheduler = make()
+    prompt = tuple(range(1, 9))  # exactly 2 blocks
+    scheduler.admit("a", 8, 1, 0, Prompt(prompt))
+    run(scheduler)
+    scheduler.release("a")
+    seq = scheduler.admit("b", 8, 1, 1, Prompt(prompt))
+    assert seq.num_cached_tokens == 4  # one block: the second holds the token to sample from
+    plan = run(scheduler)
+    assert [(c.start, c.num_tokens, c.samples) for c in plan.chunks] == [(4, 4, True)]
+
+
+def test_salts_never_share_and_no_prompt_means_no_lookup() -> None:
+    scheduler = make()
+    prompt = tuple(range(1, 11))
+    scheduler.admit("a", 10, 1, 0, Prompt(prompt, salt="x"))
+    run(scheduler)
+    scheduler.release("a")
+    assert scheduler.admit("b", 10, 1, 1, Prompt(prompt, salt="y")).num_cached_tokens == 0
+    assert scheduler.admit("c", 10, 1, 2, Prompt(prompt)).num_cached_tokens == 0
+    assert scheduler.admit("d", 10, 1, 3).num_cached_tokens == 0
+    assert scheduler.admit("e", 10, 1, 4, Prompt(prompt, salt="x")).num_cached_tokens == 8
+
+
+def test_reservation_counts_only_blocks_still_to_fill() -> None:
+    scheduler = make(num_blocks=5)
+    prompt = tuple(range(1, 13))  # 12 tokens: 3 blocks
+    scheduler.admit("a", 12, 4, 0, Prompt(prompt))  # 4 blocks
+    run(scheduler)
+    # 4 blocks held, 1 free: a copy without the cache could not be admitted.
+    assert not scheduler.can_admit(12, 4)
+    # With the cache, 2 blocks are hits (the third holds the last prompt token): 2 fresh.
+    assert not scheduler.can_admit(12, 4, Prompt(prompt))
+    scheduler.release("a")
+    assert scheduler.pool.num_cached_free == 3
+    seq = scheduler.admit("b", 12, 4, 1, Prompt(prompt))
+    assert seq.num_cached_tokens == 8
+    # The third published block was not a hit; it is evicted now only if a fresh block is
+    # needed, and b needed 2 of the 2 free + 1 cached-free.
+    assert scheduler.pool.num_used == 4
+    assert scheduler.pool.check_whole()
+
+
+def test_eviction_takes_the_least_recently_freed_and_only_when_the_free_list_is_empty() -> None:
+    scheduler = make(num_blocks=4)
+    scheduler.admit("a", 8, 1, 0, Prompt(tuple(range(1, 9))))
+    run(scheduler)
+    scheduler.release("a")
+    pool = scheduler.pool
+    assert pool.num_cached_free == 2 and pool.num_free == 4
+    scheduler.admit("b", 3, 1, 1, Prompt((50, 51, 52)))  # one fresh block from the free list
+    assert pool.num_cached_free == 2
+    scheduler.admit("c", 7, 1, 2, Prompt(tuple(range(60, 67))))  # 2 blocks: 1 free, 1 evicted
+    assert pool.num_cached_free == 1
+    assert pool.check_whole()
+
+
+def test_a_failed_step_publishes_nothing() -> None:
+    scheduler = make()
+    prompt = tuple(range(1, 11))
+    scheduler.admit("a", 10, 1, 0, Prompt(prompt))
+    plan = scheduler.schedule()
+    scheduler.abort(plan)
+    scheduler.release("a")
+    assert scheduler.pool.cache.num_cached == 0
+    assert scheduler.pool.num_cached_free == 0 and scheduler.pool.check_whole()
+
+
+def test_n_answers_prefill_once_then_share_full_blocks_and_copy_the_partial_one() -> None:
+    scheduler = make(num_blocks=16)
+    prompt = tuple(range(1, 11))  # 2 full blocks + 2 tokens
+    leader = scheduler.admit("r", 10, 3, 0, Prompt(prompt, n=3))
+    ids = [choice_id("r", i) for i in range(3)]
+    assert leader.request_id == "r" and [s.request_id for s in scheduler.running] == ids
+    # reserve prompt once plus 3 answers: 4 blocks for the leader, 2 for each follower
+    assert scheduler.pool.num_used == 4 + 2 * 2
+    plan = scheduler.schedule()
+    assert [c.request_id for c in plan.chunks] == ["r"]
+    assert plan.chunks[0].sampler_ids == tuple(ids)
+    assert set(plan.waiting_ids) == set(ids[1:])
+    scheduler.update_from_output(plan, {"r": 5, "r#1": 6, "r#2": 7})
+    leader_table = scheduler.pool.table("r")
+    for seq_id, token in zip(ids[1:], (6, 7), strict=True):
+        seq = scheduler.get(seq_id)
+        assert seq.output_token_ids == [token] and seq.num_computed == 10
+        table = scheduler.pool.table(seq_id)
+        assert table[:2] == leader_table[:2] and table[2] != leader_table[2]
+    plan = scheduler.schedule()
+    assert [(c.request_id, c.source, c.target) for c in plan.copies] == [
+        (seq_id, leader_table[2], scheduler.pool.table(seq_id)[2]) for seq_id in ids[1:]
+    ]
+    assert [c.request_id for c in plan.chunks] == ids
+    assert [c.token_ids for c in plan.chunks] == [(5,), (6,), (7,)]
+    scheduler.update_from_output(plan, {"r": 1, "r#1": 1, "r#2": 1})
+    for seq_id in ids:
+        scheduler.release(seq_id)
+    assert scheduler.pool.check_whole() and scheduler.pool.num_used == 0
+
+
+def test_n_answers_are_admitted_all_or_nothing() -> None:
+    scheduler = make(num_blocks=7, slots=4)
+    prompt = tuple(range(1, 11))
+    assert not scheduler.can_admit(10, 3, Prompt(prompt, n=3))  # needs 8 blocks
+    assert scheduler.admit("r", 10, 3, 0, Prompt(prompt, n=3)) is None
+    assert scheduler.pool.num_used == 0 and scheduler.num_free_slots == 4
+    assert not make(slots=2).can_admit(10, 3, Prompt(prompt, n=3))
+
+
+def test_releasing_a_leader_before_its_prompt_is_done_releases_its_followers() -> None:
+    scheduler = make()
+    scheduler.admit("r", 10, 3, 0, Prompt(tuple(range(1, 11)), n=2))
+    scheduler.release("r")
+    assert scheduler.num_running == 0 and scheduler.pool.num_used == 0
+
+
+specs = st.lists(
+    st.tuples(
+        st.sampled_from(["p1", "p2", "p3"]),  # one of a few shared prefixes
+        st.integers(0, 9),  # distinct tail length
+        st.integers(1, 6),  # answer budget
+        st.integers(1, 3),  # n
+        st.sampled_from([None, "s"]),  # salt
+        st.integers(0, 4),  # cancel after this many steps (4 = never)
+    ),
+    min_size=1,
+    max_size=10,
+)
+PREFIXES = {"p1": tuple(range(100, 109)), "p2": tuple(range(100, 105)), "p3": (7,) * 13}
+
+
+@settings(max_examples=150, deadline=None)
+@given(specs=specs, num_blocks=st.integers(8, 24), chunk=st.sampled_from([3, 5, 64]))
+def test_any_mix_drains_to_a_whole_pool(specs, num_blocks, chunk) -> None:
+    scheduler = make(num_blocks=num_blocks, slots=4, prefill_chunk=chunk)
+    pending = list(enumerate(specs))
+    ages: dict[str, tuple[int, int]] = {}
+    arrival = 0
+    for _ in range(400):
+        while pending:
+            index, (prefix, tail, budget, n, salt, cancel_at) = pending[0]
+            prompt = PREFIXES[prefix] + tuple(range(200 + index, 200 + index + tail))
+            try:
+                reserve = scheduler.check(len(prompt), budget)
+            except ValueError:
+                pending.pop(0)
+                continue
+            if n * scheduler.pool.blocks_for(len(prompt) + reserve) > num_blocks:
+                pending.pop(0)
+                continue
+            request_id = f"q{index}"
+            if scheduler.admit(request_id, len(prompt), reserve, arrival, Prompt(prompt, salt, n)):
+                arrival += 1
+                pending.pop(0)
+                ages[request_id] = (n, cancel_at)
+            else:
+                break
+        if not scheduler.running and not pending:
+            break
+        run(scheduler, token=3)
+        assert scheduler.pool.check_whole()
+        for request_id, (n, cancel_at) in list(ages.items()):
+            ids = [choice_id(request_id, i) for i in range(n)]
+            ages[request_id] = (n, cancel_at - 1)
+            if cancel_at == 0:  # a disconnect ends every answer, mid-prefill or not
+                for seq_id in ids:
+                    scheduler.release(seq_id)
+            for seq_id in ids:
+                seq = scheduler.get(seq_id)
+                if seq is not None and seq.has_reached_max_tokens:
+                    scheduler.release(seq_id)
+            if all(scheduler.get(seq_id) is None for seq_id in ids):
+                del ages[request_id]
+    assert not scheduler.running and not pending
+    pool = scheduler.pool
+    assert pool.check_whole() and pool.num_used == 0 and pool.num_free == num_blocks
+    assert scheduler.num_free_slots == 4
