@@ -107,6 +107,10 @@ def run_cluster_bench(
         _serving(["serve", "--threads", str(cores), *slots], free_port()) as direct_url,
         _serving([*one, "--threads", str(cores), *slots], free_port()) as cluster_url,
     ):
+        # One unmeasured round each first: Ray's own processes are busy for a while after it
+        # starts, and each engine meets its batch shapes for the first time.
+        for url in (direct_url, cluster_url):
+            _measure(url, [min(concurrencies)], output_len)
         direct, cluster = {}, {}
         for concurrency in concurrencies:
             direct |= _measure(direct_url, [concurrency], output_len)
