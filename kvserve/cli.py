@@ -78,6 +78,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         "(about 2x the throughput of bf16; see docs/serving.md)",
     )
     g.add_argument(
+        "--weight-cache-dir",
+        default=e("--weight-cache-dir", None),
+        help="where prepared int8 weights are cached and memory-mapped at the next start "
+        "(default: $XDG_CACHE_HOME/kvserve/prepared)",
+    )
+    g.add_argument(
+        "--no-weight-cache",
+        action="store_true",
+        default=e("--no-weight-cache", False, bool),
+        help="prepare the weights at every start; read and write no cache",
+    )
+    g.add_argument(
         "--threads",
         type=int,
         default=e("--threads", None, int),
@@ -155,6 +167,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             dtype=args.dtype,
             num_threads=args.threads,
             quantization=args.quantization,
+            weight_cache=not args.no_weight_cache,
+            weight_cache_dir=args.weight_cache_dir,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -44,6 +44,11 @@ class DeviceConfig:
     # "auto" (int8 for an already quantized checkpoint where the CPU kernels run, else none) |
     # "none" (the model's dtype) | "int8" (int8 linear layers, kvserve/model/quant.py)
     quantization: str = "auto"
+    # Prepared int8 weights cached on disk and memory-mapped at the next start
+    # (kvserve/model/weight_cache.py); the directory defaults to $KVSERVE_WEIGHT_CACHE_DIR, else
+    # <user cache dir>/prepared.
+    weight_cache: bool = True
+    weight_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:

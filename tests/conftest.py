@@ -11,6 +11,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def prepared_weight_cache(tmp_path_factory):
+    """Prepared weights (kvserve/model/weight_cache.py) go to this session's temporary
+    directory, never the user's cache; servers started by tests inherit it."""
+    directory = tmp_path_factory.mktemp("prepared")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("KVSERVE_WEIGHT_CACHE_DIR", str(directory))
+    yield directory
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def model_path():
     from kvserve.model.paths import default_model_path

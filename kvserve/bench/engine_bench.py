@@ -88,8 +88,9 @@ def measure_engine(
     output_len: int = 128,
     max_num_seqs: int = 64,
     kv_cache_dtype: str = "auto",
+    num_requests: int | None = None,
 ) -> EngineBenchResult:
-    num = max(4, 2 * concurrency)
+    num = num_requests or max(4, 2 * concurrency)
     prompts = bench_prompts(loaded, num, input_len)
     blocks_per_seq = -(-(input_len + output_len) // 32)
     config = EngineConfig(

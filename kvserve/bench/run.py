@@ -162,8 +162,15 @@ def http_bench(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make bench", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--only", default="model,engine,http,prefix,cluster", help="comma list of sections"
+        "--only", default="model,engine,http,prefix,bigmodel,cluster", help="comma list of sections"
     )
+    parser.add_argument(
+        "--skip-bigmodel",
+        action="store_true",
+        help="skip the 1B-shaped section (kvserve/bench/bigmodel_bench.py: generates about "
+        "2 GB of checkpoints on first use and takes minutes); the report says it was skipped",
+    )
+    parser.add_argument("--bigmodel-types", default="Q8_0,Q4_0", help="1B-shaped files to measure")
     parser.add_argument(
         "--prefix-requests", type=int, default=16, help="measured requests per shared-prefix run"
     )
@@ -336,6 +343,23 @@ def main(argv: list[str] | None = None) -> int:
         ]
         raw["prefix"] = [
             {"workload": r.workload, "cache": r.cache, "ttfts": r.ttfts} for r in prefix_results
+        ]
+
+    if "bigmodel" in sections and args.skip_bigmodel:
+        print("1B-shaped benchmark: skipped (--skip-bigmodel)", flush=True)
+        out += ["### 1B-shaped model\n", "Skipped in this run (`--skip-bigmodel`).", ""]
+    elif "bigmodel" in sections:
+        print("1B-shaped benchmark...", flush=True)
+        from kvserve.bench.bigmodel_bench import run_bigmodel_bench
+
+        big_concurrencies = tuple(c for c in concurrencies if c <= 32) or (1,)
+        table, raw["bigmodel"] = run_bigmodel_bench(
+            tuple(args.bigmodel_types.split(",")), big_concurrencies
+        )
+        out += [
+            "### 1B-shaped model (synthetic Llama-3.2-1B shape, kvserve/bench/big_model.py)\n",
+            table,
+            "",
         ]
 
     text = "\n".join(out)

@@ -1,7 +1,7 @@
 """The Engine: one loop that owns all serving state and runs steps while there is work.
 
     plan = scheduler.schedule()                        # loop thread
-    output = batch.execute(plan, rows)                 # device thread
+    output = batch.execute(plan, rows, scored)         # device thread
     scheduler.update_from_output(plan, output)         # loop thread; publishes full blocks
     deliver                                            # loop thread; tokens to streams
 

@@ -59,18 +59,25 @@ class LlamaModel:
         norm: torch.Tensor,
         lm_head: torch.Tensor,
         quantization: str = "none",
+        *,
+        prepared: Int8Weights | None = None,
+        qk_norms: list[torch.Tensor | None] | None = None,
     ) -> None:
+        """`prepared`: int8 weights prepared earlier (the weight cache) for quantization "int8",
+        with `layers` empty and the layers' q/k norms in `qk_norms`."""
         self.config = config
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
         self.norm = norm  # [hidden], float32
         self.lm_head = lm_head  # [vocab, hidden] (the same tensor as embed when tied)
-        # Per layer: (q|k|v, o, gate|up, down) as prepared products.
+        # Per layer: (q|k|v, o, gate|up, down) as prepared products. The int8 path replaces
+        # them, so it skips their float packing (seconds for a 1B model).
+        float_products = quantization != "int8"
         self.projections = [
             (Linear(w.qkv, w.qkv_bias), Linear(w.o), Linear(w.gate_up), Linear(w.down))
-            for w in layers
+            for w in (layers if float_products else [])
         ]
-        self.head = Linear(lm_head)
+        self.head = Linear(lm_head) if float_products else None
         self.dtype = embed.dtype
         self.device = embed.device
         self.scale = config.head_dim**-0.5
@@ -80,12 +87,12 @@ class LlamaModel:
         # The fused C layer ops (norms, RoPE + cache write, SiLU); q/k norms, where the model
         # has them, run in torch between the qkv product and the RoPE + cache write kernel.
         self.fused = self.native
-        self.qk_norms = [w.qk_norm for w in layers]
+        self.qk_norms = [w.qk_norm for w in layers] if qk_norms is None else qk_norms
         self._build_rope_tables(config.max_position_embeddings)
         self.quantization = quantization
         self.int8: Int8Weights | None = None
         if quantization == "int8":
-            self._quantize_int8()
+            self._quantize_int8(prepared)
         elif quantization != "none":
             raise ValueError(f"unknown quantization {quantization!r} (use none or int8)")
 
@@ -95,14 +102,14 @@ class LlamaModel:
         it; kvserve/model/csrc/kv_int8.c)."""
         return self.fused and native.kv_int8_available()
 
-    def _quantize_int8(self) -> None:
-        """Replace the linear layers by rotated int8 ones (kvserve/model/quant.py). The float
-        layer weights are dropped; embeddings and lm_head become their rotated copies."""
+    def _quantize_int8(self, prepared: Int8Weights | None = None) -> None:
+        """Replace the linear layers by rotated int8 ones (kvserve/model/quant.py), or take
+        `prepared` ones. The float layer weights are dropped."""
         if not self.fused:
             raise ValueError(INT8_REQUIREMENTS)
         if not hasattr(torch, "_int_mm"):
             raise ValueError("--quantization int8 needs torch._int_mm (torch >= 2.2)")
-        self.int8 = quantize_model(self.config, self.layers, self.norm, self.lm_head)
+        self.int8 = prepared or quantize_model(self.config, self.layers, self.norm, self.lm_head)
         if self.config.qk_norm:
             self.int8.native_layers = None  # the one-call C driver has no q/k norm step
         self.layers = []
@@ -110,6 +117,45 @@ class LlamaModel:
         self.head = None  # the int8 head picks candidates; self.lm_head recomputes them
 
     # -- construction -------------------------------------------------------------------------
+
+    def prepared_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """Everything an int8 model is made of, for the weight cache: tensors by name (the
+        tied lm_head once) and the integers that complete them. See `from_prepared`."""
+        if self.int8 is None:
+            raise ValueError("only int8 models have prepared weights to cache")
+        tensors, numbers = self.int8.to_tensors()
+        tensors = {f"int8.{name}": t for name, t in tensors.items()}
+        tensors |= {"embed": self.embed, "norm": self.norm}
+        if self.lm_head is not self.embed:
+            tensors["lm_head"] = self.lm_head
+        for index, qk_norm in enumerate(self.qk_norms):
+            if qk_norm is not None:
+                tensors[f"qk_norm.{index}"] = qk_norm
+        return tensors, numbers
+
+    @classmethod
+    def from_prepared(
+        cls, config: ModelConfig, tensors: dict[str, torch.Tensor], numbers: dict[str, int]
+    ) -> LlamaModel:
+        """The int8 model `prepared_tensors` described, using the tensors where they lie
+        (memory-mapped from the weight cache: nothing is rotated, quantized or packed)."""
+        prepared = Int8Weights.from_tensors(
+            {name[5:]: t for name, t in tensors.items() if name.startswith("int8.")}, numbers
+        )
+        embed = tensors["embed"]
+        qk_norms = [tensors.get(f"qk_norm.{i}") for i in range(config.num_layers)]
+        if config.qk_norm and any(n is None for n in qk_norms):
+            raise KeyError("prepared weights lack the q/k norms")
+        return cls(
+            config,
+            embed,
+            [],
+            tensors["norm"],
+            tensors.get("lm_head", embed),
+            "int8",
+            prepared=prepared,
+            qk_norms=qk_norms,
+        )
 
     @classmethod
     def from_tensors(

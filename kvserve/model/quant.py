@@ -43,6 +43,11 @@ from kvserve.model import native
 # quantized weights.
 ROTATION_SEED = 0x6B76
 MAX_DOWN_BLOCK = 4096
+# Part of the key of prepared weights cached on disk (kvserve/model/weight_cache.py): bump it
+# whenever the prepared tensors change for the same checkpoint (rotation, rounding, packing).
+PREPARATION_VERSION = 1
+_WEIGHT_FIELDS = ("weight", "scale", "bias", "panels", "correction")
+_LAYER_WEIGHTS = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass(slots=True)
@@ -86,6 +91,22 @@ class Int8Weight:
         tensors = [self.weight, self.scale, self.bias, self.panels, self.correction]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
+    def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The tensors this weight is made of, named `prefix.field` (absent ones left out)."""
+        return {
+            f"{prefix}.{field}": getattr(self, field)
+            for field in _WEIGHT_FIELDS
+            if getattr(self, field) is not None
+        }
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> Int8Weight:
+        """The inverse of `to_tensors`."""
+        values = {field: tensors.get(f"{prefix}.{field}") for field in _WEIGHT_FIELDS}
+        if values["scale"] is None or (values["weight"] is None and values["panels"] is None):
+            raise KeyError(f"prepared weight {prefix} is incomplete")
+        return cls(**values)
+
 
 @dataclass(slots=True)
 class Int8Layer:
@@ -115,6 +136,38 @@ class Int8Weights:
         )
         total += self.head.num_bytes
         return total + 2 * self.rotation.numel() * self.rotation.element_size()
+
+    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """Every tensor by name, and the integers that complete them (for the weight cache)."""
+        tensors = {"rotation": self.rotation} | self.head.to_tensors("head")
+        for index, layer in enumerate(self.layers):
+            for name in _LAYER_WEIGHTS:
+                tensors |= getattr(layer, name).to_tensors(f"layers.{index}.{name}")
+        return tensors, {"num_layers": len(self.layers), "down_block": self.down_block}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], numbers: dict[str, int]) -> Int8Weights:
+        """The inverse of `to_tensors`; the C layer table is rebuilt when every weight is
+        packed (the tensors may be memory-mapped: they are used where they lie)."""
+        layers = [
+            Int8Layer(
+                *(
+                    Int8Weight.from_tensors(tensors, f"layers.{index}.{name}")
+                    for name in _LAYER_WEIGHTS
+                )
+            )
+            for index in range(numbers["num_layers"])
+        ]
+        rotation = tensors["rotation"]
+        weights = cls(
+            layers,
+            rotation,
+            rotation.t().contiguous(),
+            int(numbers["down_block"]),
+            Int8Weight.from_tensors(tensors, "head"),
+        )
+        weights.native_layers = _native_table(layers)
+        return weights
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -263,7 +316,13 @@ def quantize_model(config, layers: list, norm: torch.Tensor, lm_head: torch.Tens
     head = Int8Weight.quantize(residual.right(lm_head.float() * norm[None, :]))
     rotation = residual.matrix().contiguous()
     weights = Int8Weights(quantized, rotation, rotation.t().contiguous(), block, head)
-    packed = [w for layer in quantized for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    if all(w.panels is not None for w in packed):
-        weights.native_layers = native.int8_layer_table(quantized)
+    weights.native_layers = _native_table(quantized)
     return weights
+
+
+def _native_table(layers: list[Int8Layer]) -> object:
+    """The C driver's description of the layers when every weight is packed, else None."""
+    packed = [w for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if all(w.panels is not None for w in packed):
+        return native.int8_layer_table(layers)
+    return None

@@ -3,6 +3,8 @@
 - OpenAI's `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}`
   (any JSON object), `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`
   (the schema is always enforced, whatever `strict` says);
+- OpenAI Responses' `text.format`: `{"type": "text"}`, `{"type": "json_object"}`,
+  `{"type": "json_schema", "name", "schema", "strict"}` (the same meanings, flattened);
 - vLLM's `structured_outputs`: one of `json` (a schema, as an object or as JSON text), `regex`,
   `choice` (a list of strings), `grammar` (Lark, or GBNF with ``::=`` rules), or
   `json_object: true`. vLLM's tuning options (`disable_fallback`, `disable_any_whitespace`,
@@ -16,13 +18,19 @@ when it compiles, and its refusal is a 400 naming the same field. Nothing here i
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvserve.params import SamplingParamsError, StructuredOutput
 from kvserve.server.protocol import APIError
 
-__all__ = ["STRUCTURED_KINDS", "from_response_format", "from_structured_outputs", "structured"]
+__all__ = [
+    "STRUCTURED_KINDS",
+    "from_response_format",
+    "from_structured_outputs",
+    "from_text_format",
+    "structured",
+]
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 """The kinds of vLLM's `structured_outputs`, one per request."""
@@ -42,17 +50,9 @@ _HARMLESS_OPTIONS = frozenset(
 
 def from_response_format(value: Any, param: str = "response_format") -> StructuredOutput | None:
     """OpenAI's `response_format`; None for text."""
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise APIError(400, f"'{param}' must be an object", param=param)
-    kind = value.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutput.json_object(param)
-    if kind == "json_schema":
-        spec = value.get("json_schema")
+
+    def json_schema(fmt: Mapping[str, Any]) -> StructuredOutput:
+        spec = fmt.get("json_schema")
         if not isinstance(spec, Mapping):
             raise APIError(
                 400,
@@ -63,10 +63,47 @@ def from_response_format(value: Any, param: str = "response_format") -> Structur
         if schema is None:
             return StructuredOutput.json_object(f"{param}.json_schema")
         return _shaped(lambda: StructuredOutput.json_schema(schema, f"{param}.json_schema.schema"))
+
+    return _json_format(value, param, json_schema, type_param=f"{param}.type")
+
+
+def from_text_format(value: Any, param: str = "text.format") -> StructuredOutput | None:
+    """OpenAI Responses' `text.format` (the schema beside `type`, not under `json_schema`);
+    None for text. Every refusal names `param`, the grammar engine's too."""
+
+    def json_schema(fmt: Mapping[str, Any]) -> StructuredOutput:
+        schema = fmt.get("schema")
+        if not isinstance(schema, Mapping):
+            raise APIError(400, f"'{param}.schema' must be a JSON schema object", param=param)
+        return _shaped(lambda: StructuredOutput.json_schema(schema, param))
+
+    return _json_format(value, param, json_schema, type_param=param)
+
+
+def _json_format(
+    value: Any,
+    param: str,
+    json_schema: Callable[[Mapping[str, Any]], StructuredOutput],
+    *,
+    type_param: str,
+) -> StructuredOutput | None:
+    """An OpenAI format object: `text` (None), `json_object`, or `json_schema` (read by
+    `json_schema`, as each API nests the schema differently)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise APIError(400, f"'{param}' must be an object", param=param)
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput.json_object(param)
+    if kind == "json_schema":
+        return json_schema(value)
     raise APIError(
         400,
         f"'{param}.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}",
-        param=f"{param}.type",
+        param=type_param,
     )
 
 

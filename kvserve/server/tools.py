@@ -61,13 +61,18 @@ FALLBACK_TOOL_PROMPT = (
 tool-call syntax (as Qwen2.5's and Hermes' templates write it)."""
 
 
+def new_call_id(prefix: str = "call_") -> str:
+    """A fresh call id (`call_...` as OpenAI writes them; Anthropic's are `toolu_...`)."""
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     """One call: the function's name and its arguments as JSON text."""
 
     name: str
     arguments: str
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=new_call_id)
 
     def as_dict(self) -> dict[str, Any]:
         """The OpenAI `tool_calls[]` entry."""
@@ -334,7 +339,8 @@ class HermesToolParser:
     start = "<tool_call>"
     end = "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, id_prefix: str = "call_") -> None:
+        self._id_prefix = id_prefix
         self._buffer = ""
         self._in_call = False
         self._pending_space = ""
@@ -390,18 +396,16 @@ class HermesToolParser:
         # it is content. Leading whitespace right after a call is layout too.
         body = text.rstrip()
         if body:
-            if self._after_call:
-                piece = body.lstrip()
-            else:
-                piece = self._pending_space + body
-                self._pending_space = ""
+            # Whitespace held since a call (or since earlier text) is settled by this text.
+            piece = body.lstrip() if self._after_call else self._pending_space + body
+            self._pending_space = ""
             self._after_call = False
             if piece:
                 out.append(piece)
         self._pending_space += text[len(body) :]
 
     def _block(self, out: list[str | ToolCall], body: str, *, closed: bool) -> None:
-        call = parse_call_json(body)
+        call = parse_call_json(body, self._id_prefix)
         if call is None:
             tail = self.end if closed else ""
             self._content(out, f"{self.start}{body}{tail}")
@@ -412,7 +416,7 @@ class HermesToolParser:
         out.append(call)
 
 
-def parse_call_json(body: str) -> ToolCall | None:
+def parse_call_json(body: str, id_prefix: str = "call_") -> ToolCall | None:
     """``{"name": ..., "arguments": {...}}`` (or "parameters") as a call; None otherwise."""
     try:
         value = json.loads(body.strip())
@@ -422,7 +426,7 @@ def parse_call_json(body: str) -> ToolCall | None:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(value["name"], text)
+    return ToolCall(value["name"], text, new_call_id(id_prefix))
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -449,7 +453,7 @@ def parser_for(template: str | None, configured: str | None) -> str:
     return "hermes"
 
 
-def parse_required(text: str) -> list[ToolCall] | None:
+def parse_required(text: str, id_prefix: str = "call_") -> list[ToolCall] | None:
     """The calls of a `required` answer (a JSON array of {name, parameters}); None when the
     text is not one (cut by max_tokens)."""
     try:
@@ -462,7 +466,6 @@ def parse_required(text: str) -> list[ToolCall] | None:
     for item in value:
         if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
             return None
-        calls.append(
-            ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False))
-        )
+        arguments = json.dumps(item.get("parameters", {}), ensure_ascii=False)
+        calls.append(ToolCall(item["name"], arguments, new_call_id(id_prefix)))
     return calls

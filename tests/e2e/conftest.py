@@ -105,7 +105,7 @@ class StepGate:
         self.fail_after: int | None = None
         engine.batch.execute = self
 
-    def __call__(self, plan, sequences):
+    def __call__(self, plan, *args):
         with self._condition:
             self.plans.append(tuple(plan.request_ids))
             while not self._open and self._allowed == 0:
@@ -120,7 +120,7 @@ class StepGate:
         try:
             if self.fail_after is not None and len(self.plans) > self.fail_after:
                 raise RuntimeError("injected step failure")
-            return self._execute(plan, sequences)
+            return self._execute(plan, *args)
         finally:
             with self._condition:
                 self.num_done += 1

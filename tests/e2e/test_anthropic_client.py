@@ -15,6 +15,7 @@ import pytest
 
 from kvserve.config import ServerConfig
 from tests.e2e.dialects import ANTHROPIC
+from tests.e2e.tool_schemas import ARGS, DESCRIPTIONS
 
 pytestmark = pytest.mark.slow
 
@@ -171,10 +172,10 @@ def test_count_tokens_is_the_prompt_of_create(client, model):
     assert plain.input_tokens != counted.input_tokens
 
 
-def test_tool_history_renders_through_the_chat_template(client, server, model):
+def test_tool_history_renders_as_the_chat_dialect_renders_it(client, server, model):
     counted = client.messages.count_tokens(model=model, messages=TOOL_HISTORY, tools=TOOLS)
-    # The same conversation in the chat template's own terms: tool calls on the assistant
-    # turn, the result as a tool message, the tools in the template's `tools` variable.
+    # The same conversation in OpenAI chat's terms: tool calls on the assistant turn, the
+    # result as a tool message, the same tools. Both dialects show it to the model alike.
     chat_messages = [
         {"role": "user", "content": "What is the weather in Paris?"},
         {
@@ -184,26 +185,32 @@ def test_tool_history_renders_through_the_chat_template(client, server, model):
                 {
                     "id": "toolu_1",
                     "type": "function",
-                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
                 }
             ],
         },
         {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny, 21 C."},
         {"role": "user", "content": "So, should I take an umbrella?"},
     ]
-    tokenizer = server.state.engine.tokenizer
     tools = [
         {
             "type": "function",
             "function": {
                 "name": t["name"],
-                "parameters": t["input_schema"],
                 "description": t["description"],
+                "parameters": t["input_schema"],
             },
         }
         for t in TOOLS
     ]
-    assert counted.input_tokens == len(tokenizer.encode_chat(chat_messages, tools=tools))
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0) as chat:
+        reply = chat.chat.completions.create(
+            model=model, messages=chat_messages, tools=tools, max_tokens=1
+        )
+    assert counted.input_tokens == reply.usage.prompt_tokens
+    # the tools reach the model: without them the prompt is shorter
+    bare = client.messages.count_tokens(model=model, messages=TOOL_HISTORY)
+    assert bare.input_tokens < counted.input_tokens
     answer = client.messages.create(
         model=model, max_tokens=8, messages=TOOL_HISTORY, tools=TOOLS, extra_body=GREEDY
     )
@@ -211,16 +218,179 @@ def test_tool_history_renders_through_the_chat_template(client, server, model):
     assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
 
 
-def test_a_forced_tool_call_is_refused_until_structured_output(client, model):
-    with pytest.raises(anthropic.BadRequestError) as caught:
-        client.messages.create(
+# --------------------------------------------------------------------------------------------
+# Forced tool calls, under structured output
+
+
+FORCED_TOOLS = [
+    {"name": name, "description": DESCRIPTIONS[name], "input_schema": args.model_json_schema()}
+    for name, args in ARGS.items()
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+FORCED_MAX_TOKENS = 200
+
+
+def named_call(client, model, name):
+    """A greedy call forced to the tool `name`; its one tool_use block, checked."""
+    message = client.messages.create(
+        model=model,
+        max_tokens=FORCED_MAX_TOKENS,
+        messages=ASK,
+        tools=FORCED_TOOLS,
+        tool_choice={"type": "tool", "name": name},
+        extra_body=GREEDY,
+    )
+    (call,) = check_tool_use(message, (name,))
+    return message, call
+
+
+def check_tool_use(message, names=("get_weather", "get_time")):
+    """The message is one or more tool calls whose inputs validate; returns the blocks."""
+    assert message.stop_reason == "tool_use"
+    blocks = [block for block in message.content if block.type == "tool_use"]
+    assert blocks and len(blocks) == len(message.content)
+    for block in blocks:
+        assert block.id.startswith("toolu_")
+        assert block.name in names
+        assert isinstance(block.input, dict)
+        ARGS[block.name].model_validate(block.input)
+    return blocks
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    [{"type": "any"}, {"type": "tool", "name": "get_time"}],
+    ids=["any", "named"],
+)
+def test_forced_tool_use_validates(client, model, tool_choice):
+    names = ("get_time",) if tool_choice["type"] == "tool" else ("get_weather", "get_time")
+    for _ in range(2):  # sampled: every answer must validate, whatever was drawn
+        message = client.messages.create(
             model=model,
-            max_tokens=8,
-            messages=MESSAGES,
-            tools=TOOLS,
-            tool_choice={"type": "any"},
+            max_tokens=FORCED_MAX_TOKENS,
+            messages=ASK,
+            tools=FORCED_TOOLS,
+            tool_choice={**tool_choice, "disable_parallel_tool_use": True},
+            extra_body={"temperature": 1.0},
         )
-    assert "tool_choice" in caught.value.body["error"]["message"]
+        assert len(check_tool_use(message, names)) == 1
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    [{"type": "any"}, {"type": "tool", "name": "get_weather"}],
+    ids=["any", "named"],
+)
+def test_streamed_tool_use_matches_create(client, model, tool_choice):
+    request = {
+        "model": model,
+        "max_tokens": FORCED_MAX_TOKENS,
+        "messages": ASK,
+        "tools": FORCED_TOOLS,
+        "tool_choice": tool_choice,
+        "extra_body": GREEDY,
+    }
+    whole = client.messages.create(**request)
+    with client.messages.stream(**request) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    check_tool_use(final)
+    assert [(b.name, b.input) for b in final.content] == [(b.name, b.input) for b in whole.content]
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert [e.content_block.type for e in starts] == ["tool_use"] * len(final.content)
+    json_deltas = [
+        e.delta.partial_json
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    ]
+    assert json_deltas
+    if tool_choice["type"] == "tool":
+        # a named call's input arrives as it is generated
+        assert len(json_deltas) > 1
+        assert json.loads("".join(json_deltas)) == final.content[0].input
+
+
+def test_a_full_tool_round_trip(client, model):
+    first, call = named_call(client, model, "get_weather")
+    history = [
+        *ASK,
+        {"role": "assistant", "content": [block.model_dump() for block in first.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 21 C."}],
+        },
+    ]
+    final = client.messages.create(
+        model=model,
+        max_tokens=40,
+        messages=history,
+        tools=FORCED_TOOLS,
+        tool_choice={"type": "none"},
+        extra_body=GREEDY,
+    )
+    assert final.stop_reason in ("end_turn", "max_tokens")
+    assert [block.type for block in final.content] == ["text"]
+    assert final.content[0].text.strip()
+
+
+# An earlier call in the history shows the small model the tool-call syntax, so that with
+# tool_choice auto it writes a <tool_call> of its own.
+LEAD_TO_A_CALL = [
+    *ASK,
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+        ],
+    },
+    {"role": "user", "content": "What is the weather in Rome?"},
+]
+
+
+def test_auto_reads_the_models_own_tool_call(client, model):
+    request = {
+        "model": model,
+        "max_tokens": 60,
+        "messages": LEAD_TO_A_CALL,
+        "tools": TOOLS,
+        "extra_body": GREEDY,
+    }
+    message = client.messages.create(**request)
+    with client.messages.stream(**request) as stream:
+        final = stream.get_final_message()
+    for answer in (message, final):
+        assert answer.stop_reason == "tool_use"
+        calls = [block for block in answer.content if block.type == "tool_use"]
+        assert [(c.name, c.input) for c in calls] == [("get_weather", {"city": "Rome"})]
+        assert all("<tool_call>" not in b.text for b in answer.content if b.type == "text")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_schema_the_grammar_engine_refuses_is_400(client, server, model, stream):
+    bad = [
+        {"name": "f", "input_schema": {"type": "object", "properties": {"x": {"type": "strin"}}}}
+    ]
+    response = httpx.post(
+        server.url + "/v1/messages",
+        json={
+            "model": model,
+            "max_tokens": 8,
+            "messages": ASK,
+            "tools": bad,
+            "tool_choice": {"type": "any"},
+            "stream": stream,
+        },
+        headers={"x-api-key": API_KEY},
+        timeout=120,
+    )
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert "tools" in body["error"]["message"]
+    # and the next forced call is served
+    named_call(client, model, "get_time")
 
 
 def test_unknown_model_is_not_found(client):

@@ -79,6 +79,19 @@ def test_text_that_is_not_a_call_stays_content(text):
     assert content == text
 
 
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_text_after_a_call_keeps_its_own_spaces_in_any_split(size):
+    text = 'Sure.\n<tool_call>{"name": "get_time"}</tool_call>\n  then more words here.'
+    parser = HermesToolParser(id_prefix="toolu_")
+    items = []
+    for start in range(0, len(text), size):
+        items += parser.feed(text[start : start + size])
+    items += parser.finish()
+    content = "".join(i for i in items if isinstance(i, str))
+    assert content == "Sure.then more words here."
+    assert [c.id[:6] for c in items if isinstance(c, ToolCall)] == ["toolu_"]
+
+
 def test_an_unclosed_block_at_the_end_is_still_a_call():
     content, calls = HermesToolParser().parse('<tool_call>{"name": "get_time", "arguments": {}}')
     assert content is None

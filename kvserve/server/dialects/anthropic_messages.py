@@ -2,7 +2,8 @@
 
 The request's `system`, `messages` (text, `tool_use` and `tool_result` blocks) and `tools` become
 a chat-template conversation (tool calls as the assistant's `tool_calls`, results as `tool`
-messages). The answer is a `message` with content blocks, `stop_reason` (`end_turn`,
+messages); `tool_choice` `any` or a named tool forces a call, generated under structured output.
+The answer is a `message` with content blocks, `stop_reason` (`end_turn`,
 `max_tokens`, `stop_sequence` with the matched sequence, or `tool_use`) and `usage`; streamed, it
 is `message_start`, then per block `content_block_start` / `content_block_delta` /
 `content_block_stop`, then `message_delta` (stop reason, usage) and `message_stop`, every frame
@@ -25,18 +26,19 @@ from kvserve.server import schemas
 from kvserve.server.core import ServerState, json_response
 from kvserve.server.core import sampling_params as core_sampling_params
 from kvserve.server.dialects.function_tools import (
+    CallArguments,
+    CallEnd,
+    CallReader,
+    CallStart,
     FunctionTool,
     Piece,
-    ToolCall,
-    ToolCallParser,
-    ToolChoice,
     encode_conversation,
-    output_pieces,
+    openai_tools,
     parse_arguments,
-    require_schema,
-    tool_call_schema,
+    tool_plan,
 )
 from kvserve.server.protocol import APIError, _Model, dumps
+from kvserve.server.tools import ToolPlan, parser_for
 
 __all__ = [
     "PATHS",
@@ -65,10 +67,14 @@ _ERROR_TYPES = {
 
 
 def error_body(error: APIError) -> dict[str, Any]:
-    """`{"type": "error", "error": {"type", "message"}}` as Anthropic sends it."""
+    """`{"type": "error", "error": {"type", "message"}}` as Anthropic sends it. The shape has
+    no `param`, so the message names the field when it does not already."""
+    message = error.message
+    if error.param and error.param not in message:
+        message = f"'{error.param}': {message}"
     return {
         "type": "error",
-        "error": {"type": _ERROR_TYPES.get(error.status, "api_error"), "message": error.message},
+        "error": {"type": _ERROR_TYPES.get(error.status, "api_error"), "message": message},
     }
 
 
@@ -225,42 +231,54 @@ def conversation(body: CountTokensRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def tool_setup(body: CountTokensRequest) -> tuple[list[FunctionTool], ToolChoice]:
-    """The request's tools and tool choice, checked against each other."""
-    tools = [FunctionTool(t.name, t.description, t.input_schema) for t in body.tools or ()]
-    raw = body.tool_choice
-    if raw is None:
-        return tools, ToolChoice("auto")
-    kind = raw.get("type")
-    if kind not in ("auto", "any", "tool", "none"):
-        raise APIError(
-            400, "'tool_choice.type' must be auto, any, tool or none", param="tool_choice"
-        )
-    if not tools and kind != "none":
-        raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
-    if kind == "tool":
-        name = raw.get("name")
-        if name not in {tool.name for tool in tools}:
-            raise APIError(
-                400, f"'tool_choice.name': no tool is named {name!r}", param="tool_choice"
-            )
-        return tools, ToolChoice("named", name)
-    return tools, ToolChoice({"auto": "auto", "any": "required", "none": "none"}[kind])
-
-
-async def _prompt_ids(
-    engine: Any, body: CountTokensRequest
-) -> tuple[list[int], list[FunctionTool], ToolChoice]:
-    tools, choice = tool_setup(body)
-    messages = conversation(body)
-    prompt_ids = await encode_conversation(
-        engine.tokenizer, messages, tools, choice, param="messages"
+def tool_setup(body: CountTokensRequest, parser: str) -> ToolPlan | None:
+    """The request's tools and tool choice as a plan (None: neither is given); `any` and a
+    named tool come with the constraint of their forced call."""
+    tools = openai_tools(
+        [FunctionTool(t.name, t.description, t.input_schema) for t in body.tools or ()],
+        "tools",
+        "input_schema",
     )
-    return prompt_ids, tools, choice
+    raw = body.tool_choice
+    choice: Any = None
+    parallel: bool | None = None
+    if raw is not None:
+        kind = raw.get("type")
+        if kind not in ("auto", "any", "tool", "none"):
+            raise APIError(
+                400, "'tool_choice.type' must be auto, any, tool or none", param="tool_choice"
+            )
+        if not tools and kind != "none":
+            raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+        if kind == "tool":
+            name = raw.get("name")
+            if name not in {tool["function"]["name"] for tool in tools}:
+                raise APIError(
+                    400, f"'tool_choice.name': no tool is named {name!r}", param="tool_choice"
+                )
+            choice = {"type": "function", "function": {"name": name}}
+        else:
+            choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
+        if raw.get("disable_parallel_tool_use") is True:
+            parallel = False
+    return tool_plan(tools, choice, parallel_tool_calls=parallel, parser=parser, param="tools")
 
 
-def sampling_params(body: MessagesRequest, vocab_size: int) -> SamplingParams:
-    """The request's SamplingParams, validated; errors name the Messages field."""
+def _plan(state: ServerState, engine: Any, body: CountTokensRequest) -> ToolPlan | None:
+    parser = parser_for(engine.tokenizer.chat_template, state.config.tool_call_parser)
+    return tool_setup(body, parser)
+
+
+async def _prompt_ids(engine: Any, body: CountTokensRequest, plan: ToolPlan | None) -> list[int]:
+    messages = conversation(body)
+    return await encode_conversation(engine.tokenizer, messages, plan, param="messages")
+
+
+def sampling_params(
+    body: MessagesRequest, vocab_size: int, plan: ToolPlan | None = None
+) -> SamplingParams:
+    """The request's SamplingParams, validated; errors name the Messages field. A forced tool
+    call constrains the answer."""
     return core_sampling_params(
         vocab_size,
         _PARAM_NAMES,
@@ -270,6 +288,7 @@ def sampling_params(body: MessagesRequest, vocab_size: int) -> SamplingParams:
         top_k=0 if body.top_k is None else body.top_k,
         stop=tuple(body.stop_sequences or ()),
         ignore_eos=bool(body.ignore_eos),
+        structured=plan.constraint if plan is not None else None,
     )
 
 
@@ -282,24 +301,89 @@ def _frame(kind: str, data: Mapping[str, Any]) -> str:
 
 
 def _stop_reason(final: Delta, called: bool) -> str:
-    if called:
-        return "tool_use"
     if final.finish_reason == "length":
         return "max_tokens"
+    if called:
+        return "tool_use"
     return "stop_sequence" if final.stop_sequence is not None else "end_turn"
 
 
 class MessagesRendering:
-    """One Messages answer, streamed (`kvserve.server.core.Rendering`) or whole."""
+    """One Messages answer, streamed (`kvserve.server.core.Rendering`) or whole.
 
-    def __init__(self, message_id: str, model: str, prompt_tokens: int, *, tools: bool) -> None:
+    `plan` is the request's tools (None without): text becomes `text` blocks and each call a
+    `tool_use` block, streamed as `content_block_start` and `input_json_delta` deltas."""
+
+    def __init__(
+        self, message_id: str, model: str, prompt_tokens: int, *, plan: ToolPlan | None = None
+    ) -> None:
         self.message_id = message_id
         self.model = model
         self.prompt_tokens = prompt_tokens
-        self._parser = ToolCallParser("toolu_") if tools else None
+        self._reader = CallReader(plan, "toolu_")
         self._blocks: list[dict[str, Any]] = []
-        self._open_text = False  # the last block is a text block still taking deltas
-        self._called = False
+        self._open = False  # the last block still takes deltas
+        self._arguments: list[str] = []  # the open tool_use block's input JSON so far
+
+    # -- the content, piece by piece -----------------------------------------------------------
+
+    def _add(self, piece: Piece, stream: bool) -> str:
+        """Add a piece to the content; the frames saying so when streaming."""
+        out: list[str] = []
+        if isinstance(piece, CallStart):
+            out.append(self._close(stream))
+            block = {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}
+            out.append(self._start(block, stream))
+            self._arguments = []
+            return "".join(out)
+        if isinstance(piece, CallArguments):
+            self._arguments.append(piece.text)
+            delta = {"type": "input_json_delta", "partial_json": piece.text}
+            return self._delta(delta, stream)
+        if isinstance(piece, CallEnd):
+            self._blocks[-1]["input"] = parse_arguments(piece.arguments)
+            return self._close(stream)
+        if not self._open or self._blocks[-1]["type"] != "text":
+            if self._reader.offers_tools and not piece.strip():
+                return ""  # no block for whitespace between calls
+            out.append(self._close(stream))
+            out.append(self._start({"type": "text", "text": ""}, stream))
+        self._blocks[-1]["text"] += piece
+        out.append(self._delta({"type": "text_delta", "text": piece}, stream))
+        return "".join(out)
+
+    def _start(self, block: dict[str, Any], stream: bool) -> str:
+        self._blocks.append(block)
+        self._open = True
+        if not stream:
+            return ""
+        index = len(self._blocks) - 1
+        return _frame(
+            "content_block_start",
+            {"type": "content_block_start", "index": index, "content_block": block},
+        )
+
+    def _delta(self, delta: dict[str, Any], stream: bool) -> str:
+        if not stream:
+            return ""
+        index = len(self._blocks) - 1
+        return _frame(
+            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+        )
+
+    def _close(self, stream: bool) -> str:
+        if not self._open:
+            return ""
+        self._open = False
+        if not stream:
+            return ""
+        index = len(self._blocks) - 1
+        return _frame("content_block_stop", {"type": "content_block_stop", "index": index})
+
+    def _feed(self, delta: Delta, stream: bool) -> str:
+        pieces = self._reader.feed(delta.text, final=delta.finished)
+        out = "".join(self._add(piece, stream) for piece in pieces)
+        return out + self._close(stream) if delta.finished else out
 
     # -- streaming -----------------------------------------------------------------------------
 
@@ -317,112 +401,30 @@ class MessagesRendering:
         return _frame("message_start", {"type": "message_start", "message": message})
 
     def frames(self, delta: Delta) -> str:
-        return "".join(
-            self._piece_frames(piece)
-            for piece in output_pieces(self._parser, delta.text, final=False)
-        )
-
-    def _piece_frames(self, piece: Piece) -> str:
-        out = []
-        if isinstance(piece, ToolCall):
-            out.append(self._close_text())
-            index = len(self._blocks)
-            self._add_piece(piece)
-            start = {"type": "tool_use", "id": piece.call_id, "name": piece.name, "input": {}}
-            out.append(
-                _frame(
-                    "content_block_start",
-                    {"type": "content_block_start", "index": index, "content_block": start},
-                )
-            )
-            delta = {"type": "input_json_delta", "partial_json": piece.arguments}
-            out.append(
-                _frame(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": index, "delta": delta},
-                )
-            )
-            out.append(_frame("content_block_stop", {"type": "content_block_stop", "index": index}))
-            return "".join(out)
-        if not self._open_text:
-            if self._parser is not None and not piece.strip():
-                return ""  # no block for whitespace between calls
-            start = {"type": "text", "text": ""}
-            out.append(
-                _frame(
-                    "content_block_start",
-                    {
-                        "type": "content_block_start",
-                        "index": len(self._blocks),
-                        "content_block": start,
-                    },
-                )
-            )
-        self._add_piece(piece)
-        delta = {"type": "text_delta", "text": piece}
-        out.append(
-            _frame(
-                "content_block_delta",
-                {"type": "content_block_delta", "index": len(self._blocks) - 1, "delta": delta},
-            )
-        )
-        return "".join(out)
-
-    def _close_text(self) -> str:
-        if not self._open_text:
-            return ""
-        self._open_text = False
-        index = len(self._blocks) - 1
-        return _frame("content_block_stop", {"type": "content_block_stop", "index": index})
+        return self._feed(delta, True)
 
     def tail(self, final: Delta) -> str:
-        parts = [
-            self._piece_frames(piece)
-            for piece in output_pieces(self._parser, final.text, final=True)
-        ]
-        parts.append(self._close_text())
-        assert final.usage is not None
+        out = self._feed(final, True)
+        response = self.response(final)
         delta = {
             "type": "message_delta",
             "delta": {
-                "stop_reason": _stop_reason(final, self._called),
-                "stop_sequence": final.stop_sequence,
+                "stop_reason": response["stop_reason"],
+                "stop_sequence": response["stop_sequence"],
             },
-            "usage": {
-                "input_tokens": final.usage.prompt_tokens,
-                "output_tokens": final.usage.completion_tokens,
-            },
+            "usage": response["usage"],
         }
-        parts.append(_frame("message_delta", delta))
-        parts.append(_frame("message_stop", {"type": "message_stop"}))
-        return "".join(parts)
+        return (
+            out + _frame("message_delta", delta) + _frame("message_stop", {"type": "message_stop"})
+        )
 
     def error_tail(self, error: APIError) -> str:
         return _frame("error", error_body(error))
 
     # -- whole ---------------------------------------------------------------------------------
 
-    def _add_piece(self, piece: Piece) -> None:
-        if isinstance(piece, ToolCall):
-            self._called = True
-            self._open_text = False
-            self._blocks.append(
-                {
-                    "type": "tool_use",
-                    "id": piece.call_id,
-                    "name": piece.name,
-                    "input": parse_arguments(piece.arguments),
-                }
-            )
-        elif self._open_text:
-            self._blocks[-1]["text"] += piece
-        elif piece.strip() or self._parser is None:
-            self._open_text = True
-            self._blocks.append({"type": "text", "text": piece})
-
     def add(self, delta: Delta) -> None:
-        for piece in output_pieces(self._parser, delta.text, final=delta.finished):
-            self._add_piece(piece)
+        self._feed(delta, False)
 
     def response(self, final: Delta) -> dict[str, Any]:
         assert final.usage is not None
@@ -432,7 +434,7 @@ class MessagesRendering:
             "role": "assistant",
             "content": self._blocks,
             "model": self.model,
-            "stop_reason": _stop_reason(final, self._called),
+            "stop_reason": _stop_reason(final, self._reader.called),
             "stop_sequence": final.stop_sequence,
             "usage": {
                 "input_tokens": final.usage.prompt_tokens,
@@ -472,16 +474,12 @@ def register(app: FastAPI, state: ServerState) -> None:
         exchange, engine, body = await state.accept(request, MessagesRequest, _refused)
         if not body.messages:
             raise APIError(400, "'messages' must hold at least one message", param="messages")
+        plan = _plan(state, engine, body)
         # Validate before tokenizing: a bad parameter costs no template rendering.
-        params = sampling_params(body, engine.model_config.vocab_size)
-        prompt_ids, tools, choice = await _prompt_ids(engine, body)
-        if choice.forced:
-            params = require_schema(params, tool_call_schema(tools, choice), param="tool_choice")
+        params = sampling_params(body, engine.model_config.vocab_size, plan)
+        prompt_ids = await _prompt_ids(engine, body, plan)
         rendering = MessagesRendering(
-            f"msg_{exchange.request_id}",
-            state.model_name or "",
-            len(prompt_ids),
-            tools=bool(tools) and choice.mode != "none",
+            f"msg_{exchange.request_id}", state.model_name or "", len(prompt_ids), plan=plan
         )
         return await state.generate(
             request,
@@ -499,5 +497,5 @@ def register(app: FastAPI, state: ServerState) -> None:
     )
     async def count_tokens(request: Request) -> Response:
         _, engine, body = await state.accept(request, CountTokensRequest, _refused)
-        prompt_ids, _, _ = await _prompt_ids(engine, body)
+        prompt_ids = await _prompt_ids(engine, body, _plan(state, engine, body))
         return json_response({"input_tokens": len(prompt_ids)})

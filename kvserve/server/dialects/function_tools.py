@@ -1,246 +1,237 @@
-"""Function tools for the Anthropic Messages and OpenAI Responses dialects: the tools a request
-offers, the model's calls found in its text, and the point where an answer must be constrained
-to a schema. (The OpenAI chat dialect's tools, constrained by structured output, are in
-kvserve.server.tools; the two share the Hermes call syntax and should become one.)
+"""Function tools for the Anthropic Messages and OpenAI Responses dialects, on the tool calling
+of `kvserve.server.tools` that OpenAI chat uses: one validation, one prompt, one Hermes parser,
+one constraint per tool choice.
 
-The Anthropic and Responses dialects parse their own `tools` / `tool_choice` into `FunctionTool`
-and `ToolChoice`; the chat template receives the tools in the OpenAI shape every template knows
-(`{"type": "function", "function": {name, description, parameters}}`).
+Each dialect checks its own `tools` in its own words (`FunctionTool`, `openai_tools`), turns its
+`tool_choice` into OpenAI's, and gets a `ToolPlan` from `tool_plan`. A forced call (Anthropic
+`any` or a named tool, Responses `required` or a named function) comes back with the
+structured-output constraint its answer is generated under, as in the chat dialect:
 
-The model's calls are found in its text in the Hermes/Qwen form,
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, by `ToolCallParser`, which holds back
-text that could still open a call so that streamed text never shows half a tag.
+- `required`: a JSON array of ``{"name", "parameters"}`` calls (vLLM's shape);
+- a named tool: that tool's arguments, as a JSON object.
 
-`require_schema` is where constrained decoding applies: a forced tool call (`any`, a named tool,
-`required`) or a JSON-schema answer. No grammar engine is wired in yet, so it refuses the request
-by name (400) rather than answer without the guarantee the client asked for.
+`CallReader` reads the answer back as the pieces a renderer draws: text, and each call as a
+`CallStart`, its arguments in `CallArguments` pieces, and a `CallEnd`. With `auto` the calls
+are those the model wrote in Hermes syntax (`<tool_call>{...}</tool_call>`); a named call
+streams its arguments as they are generated; a `required` array is read once it is complete.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import uuid
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from kvserve.params import SamplingParams
 from kvserve.server.core import in_thread
 from kvserve.server.protocol import APIError
+from kvserve.server.tools import (
+    TOOL_CALL_PARSERS,
+    ToolCall,
+    ToolPlan,
+    new_call_id,
+    parse_required,
+    plan_tools,
+    tool_prompt,
+)
 from kvserve.tokenizer import ChatTemplateError, Tokenizer
 
 __all__ = [
+    "CallArguments",
+    "CallEnd",
+    "CallReader",
+    "CallStart",
     "FunctionTool",
-    "ToolCall",
-    "ToolCallParser",
-    "ToolChoice",
+    "Piece",
     "encode_conversation",
-    "new_call_id",
-    "output_pieces",
-    "require_schema",
-    "tool_call_schema",
+    "openai_tools",
+    "parse_arguments",
+    "tool_plan",
 ]
 
-OPEN_TAG = "<tool_call>"
-CLOSE_TAG = "</tool_call>"
+# Anthropic's and OpenAI's rule for a tool's name.
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 @dataclass(frozen=True, slots=True)
 class FunctionTool:
     """One function the model may call: its name, description and JSON schema of arguments."""
 
-    name: str
-    description: str | None
-    parameters: Mapping[str, Any]
-
-    def template_dict(self) -> dict[str, Any]:
-        """The tool as chat templates expect it in their `tools` variable."""
-        function: dict[str, Any] = {"name": self.name, "parameters": dict(self.parameters)}
-        if self.description is not None:
-            function["description"] = self.description
-        return {"type": "function", "function": function}
+    name: Any
+    description: Any
+    parameters: Any
 
 
-@dataclass(frozen=True, slots=True)
-class ToolChoice:
-    """Whether the model may call a tool (`auto`), must not (`none`), must call one
-    (`required`) or must call `name` (`named`)."""
-
-    mode: Literal["auto", "none", "required", "named"] = "auto"
-    name: str | None = None
-
-    @property
-    def forced(self) -> bool:
-        return self.mode in ("required", "named")
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    """A call found in the model's text; `arguments` is JSON text."""
-
-    call_id: str
-    name: str
-    arguments: str
-
-
-def new_call_id(prefix: str = "call_") -> str:
-    return f"{prefix}{uuid.uuid4().hex[:24]}"
-
-
-def tool_call_schema(tools: Sequence[FunctionTool], choice: ToolChoice) -> dict[str, Any]:
-    """The JSON schema a forced call must satisfy: the named tool's arguments, or any one
-    tool's `{name, arguments}` (as vLLM enforces `required`)."""
-    if choice.mode == "named":
-        tool = next(t for t in tools if t.name == choice.name)
-        return dict(tool.parameters)
-    return {
-        "type": "object",
-        "anyOf": [
-            {
-                "properties": {
-                    "name": {"enum": [tool.name]},
-                    "arguments": dict(tool.parameters),
-                },
-                "required": ["name", "arguments"],
-            }
-            for tool in tools
-        ],
-    }
+def openai_tools(tools: Sequence[FunctionTool], param: str, schema_field: str) -> list[dict]:
+    """The tools as OpenAI function tools, or a 400 naming the dialect's own field
+    (`{param}[i].name`, `{param}[i].{schema_field}`)."""
+    converted: list[dict[str, Any]] = []
+    names: set[str] = set()
+    for index, tool in enumerate(tools):
+        where = f"{param}[{index}]"
+        if not isinstance(tool.name, str) or not _NAME.match(tool.name):
+            raise APIError(
+                400, f"'{where}.name' must be 1-64 letters, digits, '_' or '-'", param=where
+            )
+        if tool.name in names:
+            raise APIError(400, f"'{where}.name': {tool.name!r} is named twice", param=where)
+        names.add(tool.name)
+        if not isinstance(tool.parameters, Mapping):
+            field = f"{where}.{schema_field}"
+            raise APIError(400, f"'{field}' must be a JSON schema object", param=field)
+        if tool.description is not None and not isinstance(tool.description, str):
+            field = f"{where}.description"
+            raise APIError(400, f"'{field}' must be a string", param=field)
+        function: dict[str, Any] = {"name": tool.name, "parameters": dict(tool.parameters)}
+        if tool.description is not None:
+            function["description"] = tool.description
+        converted.append({"type": "function", "function": function})
+    return converted
 
 
-def require_schema(
-    params: SamplingParams, schema: Mapping[str, Any], *, param: str
-) -> SamplingParams:
-    """`params` constrained to answers matching `schema`, or a 400 naming `param`.
+def tool_plan(
+    tools: list[dict[str, Any]],
+    tool_choice: Any,
+    *,
+    parallel_tool_calls: bool | None,
+    parser: str,
+    param: str,
+) -> ToolPlan | None:
+    """The plan of OpenAI-shaped `tools` and `tool_choice` (None: no tools, no choice).
 
-    This is the one place constrained decoding plugs in: until the engine can apply a grammar,
-    no answer could be guaranteed to match, so the request is refused."""
-    raise APIError(
-        400,
-        f"'{param}': answers constrained to a JSON schema are not supported yet "
-        "(structured output is not available on this server)",
-        param=param,
+    A forced call's constraint names `param` (the dialect's tools field), so a schema the
+    grammar engine refuses is a 400 naming it."""
+    plan = plan_tools(
+        tools or None,
+        tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
+        parser=parser,
+        tools_param=param,
+        choice_param="tool_choice",
     )
+    if plan is not None and plan.constraint is not None:
+        plan = dataclasses.replace(
+            plan, constraint=dataclasses.replace(plan.constraint, param=param)
+        )
+    return plan
 
 
-Piece = str | ToolCall
-"""A piece of the model's output: text, or a tool call."""
-
-
-class ToolCallParser:
-    """Finds `<tool_call>{json}</tool_call>` in text fed a delta at a time.
-
-    `feed` returns the pieces that are certain now: text (never part of a tag) and complete
-    calls; `flush` returns the rest at the end. A call whose body is not a JSON object with a
-    string `name` stays text, as the model wrote it.
-    """
-
-    def __init__(self, call_id_prefix: str = "call_") -> None:
-        self._buffer = ""
-        self._inside = False
-        self._prefix = call_id_prefix
-
-    def feed(self, text: str) -> list[Piece]:
-        self._buffer += text
-        pieces: list[Piece] = []
-        while True:
-            if self._inside:
-                end = self._buffer.find(CLOSE_TAG)
-                if end < 0:
-                    return pieces
-                body, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE_TAG) :]
-                self._inside = False
-                _append(pieces, self._call(body) or OPEN_TAG + body + CLOSE_TAG)
-                continue
-            start = self._buffer.find(OPEN_TAG)
-            if start >= 0:
-                _append(pieces, self._buffer[:start])
-                self._buffer = self._buffer[start + len(OPEN_TAG) :]
-                self._inside = True
-                continue
-            keep = _partial_tag_length(self._buffer)
-            _append(pieces, self._buffer[: len(self._buffer) - keep])
-            self._buffer = self._buffer[len(self._buffer) - keep :]
-            return pieces
-
-    def flush(self) -> list[Piece]:
-        """The pieces still held: an unclosed call (the model may end on its stop token
-        instead of the closing tag) or held-back text."""
-        rest, self._buffer = self._buffer, ""
-        pieces: list[Piece] = []
-        if self._inside:
-            self._inside = False
-            _append(pieces, self._call(rest) or OPEN_TAG + rest)
-        else:
-            _append(pieces, rest)
-        return pieces
-
-    def _call(self, body: str) -> ToolCall | None:
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return None
-        arguments = value.get("arguments", value.get("parameters", {}))
-        if isinstance(arguments, str):
-            text = arguments
-        else:
-            text = json.dumps(arguments, ensure_ascii=False)
-        return ToolCall(new_call_id(self._prefix), value["name"], text)
-
-
-def _append(pieces: list[Piece], piece: Piece) -> None:
-    if isinstance(piece, str):
-        if not piece:
-            return
-        if pieces and isinstance(pieces[-1], str):
-            pieces[-1] += piece
-            return
-    pieces.append(piece)
-
-
-def _partial_tag_length(text: str) -> int:
-    """The length of the longest end of `text` that could begin the opening tag."""
-    for length in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
-        if OPEN_TAG.startswith(text[-length:]):
-            return length
-    return 0
+async def encode_conversation(
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], plan: ToolPlan | None, *, param: str
+) -> list[int]:
+    """The conversation's prompt ids, the tools shown as the chat dialect shows them (the
+    template's `tools` variable, or the fallback prompt); a template error is a 400 naming
+    `param`."""
+    messages, template_kwargs = tool_prompt(plan, messages, tokenizer.chat_template, {})
+    try:
+        return await in_thread(lambda: tokenizer.encode_chat(messages, **template_kwargs))
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param=param) from None
 
 
 def parse_arguments(arguments: str) -> Any:
-    """A call's arguments as JSON, or `{}` when they are not valid JSON."""
+    """A call's arguments as JSON, or `{}` when they are not valid JSON (cut by the budget)."""
     try:
         return json.loads(arguments)
     except ValueError:
         return {}
 
 
-def output_pieces(parser: ToolCallParser | None, text: str, *, final: bool) -> list[Piece]:
-    """A delta's text as pieces: as it is without tools, else through the parser (flushed on
-    the final delta)."""
-    if parser is None:
-        return [text] if text else []
-    pieces = parser.feed(text)
-    if final:
-        pieces += parser.flush()
-    return pieces
+# --------------------------------------------------------------------------------------------
+# The answer, read back as text and calls
 
 
-async def encode_conversation(
-    tokenizer: Tokenizer,
-    messages: list[dict[str, Any]],
-    tools: Sequence[FunctionTool],
-    choice: ToolChoice,
-    *,
-    param: str,
-) -> list[int]:
-    """The conversation's prompt ids, the tools in the template's `tools` variable unless the
-    choice is `none`; a template error is a 400 naming `param`."""
-    template_kwargs: dict[str, Any] = {}
-    if tools and choice.mode != "none":
-        template_kwargs["tools"] = [tool.template_dict() for tool in tools]
-    try:
-        return await in_thread(lambda: tokenizer.encode_chat(messages, **template_kwargs))
-    except ChatTemplateError as exc:
-        raise APIError(400, str(exc), param=param) from None
+@dataclass(frozen=True, slots=True)
+class CallStart:
+    """A call begins: its id and the function's name."""
+
+    id: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallArguments:
+    """More of the open call's arguments (JSON text)."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallEnd:
+    """The open call is complete; `arguments` is all of its JSON text."""
+
+    arguments: str
+
+
+Piece = str | CallStart | CallArguments | CallEnd
+"""A piece of the answer as a renderer draws it."""
+
+
+class CallReader:
+    """Reads one answer, a delta at a time, as text and calls under a request's tool plan.
+
+    Without a plan (or with `none`) all of it is text. Call ids begin with `id_prefix`.
+    """
+
+    def __init__(self, plan: ToolPlan | None, id_prefix: str) -> None:
+        self._choice = plan.choice if plan is not None and plan.offers_tools else "none"
+        self._name = plan.name if plan is not None else None
+        self._id_prefix = id_prefix
+        self._parser = (
+            TOOL_CALL_PARSERS[plan.parser](id_prefix)
+            if plan is not None and self._choice == "auto"
+            else None
+        )
+        self._text: list[str] = []  # a named call's arguments, or the required array
+        self.called = False
+
+    @property
+    def offers_tools(self) -> bool:
+        """Whether calls may appear in the answer."""
+        return self._choice != "none"
+
+    def feed(self, text: str, *, final: bool) -> list[Piece]:
+        """The pieces `text` completes; `final` on the answer's last delta."""
+        if self._choice == "none":
+            return [text] if text else []
+        if self._choice == "auto":
+            assert self._parser is not None
+            items = self._parser.feed(text) if text else []
+            if final:
+                items += self._parser.finish()
+            pieces: list[Piece] = []
+            for item in items:
+                pieces += self._call(item) if isinstance(item, ToolCall) else [item]
+            return pieces
+        if self._choice == "named":
+            return self._named(text, final)
+        self._text.append(text)  # required: the calls are known once the array is complete
+        if not final:
+            return []
+        whole = "".join(self._text)
+        calls = parse_required(whole, self._id_prefix)
+        if calls is None:  # cut by the budget: what there is stays text
+            return [whole] if whole else []
+        return [piece for call in calls for piece in self._call(call)]
+
+    def _named(self, text: str, final: bool) -> list[Piece]:
+        pieces: list[Piece] = []
+        if text:
+            if not self.called:
+                self.called = True
+                pieces.append(CallStart(new_call_id(self._id_prefix), self._name or ""))
+            self._text.append(text)
+            pieces.append(CallArguments(text))
+        if final and self.called:
+            pieces.append(CallEnd("".join(self._text)))
+        return pieces
+
+    def _call(self, call: ToolCall) -> list[Piece]:
+        self.called = True
+        return [
+            CallStart(call.id, call.name),
+            CallArguments(call.arguments),
+            CallEnd(call.arguments),
+        ]

@@ -1,8 +1,10 @@
 """OpenAI Responses: `POST /v1/responses`, stateless.
 
 `input` (a string, or message / `function_call` / `function_call_output` items) and
-`instructions` become a chat-template conversation; function `tools` go to the template. Nothing
-is stored (`store` is treated as false), so `previous_response_id` is refused by name.
+`instructions` become a chat-template conversation; function `tools` are shown to the model as
+the chat dialect shows them. `text.format` `json_schema` / `json_object`, and a `required` or
+named `tool_choice`, constrain the answer through structured output. Nothing is stored (`store`
+is treated as false), so `previous_response_id` is refused by name.
 
 The answer is a `response` whose `output` holds a `message` item with `output_text` (and a
 `function_call` item per call found), with `usage` and `status` (`completed`, or `incomplete`
@@ -27,22 +29,24 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from kvserve.engine.stream import Delta, Usage
-from kvserve.params import SamplingParams
+from kvserve.params import SamplingParams, StructuredOutput
 from kvserve.server import schemas
 from kvserve.server.core import ServerState
 from kvserve.server.core import sampling_params as core_sampling_params
 from kvserve.server.dialects.function_tools import (
+    CallArguments,
+    CallEnd,
+    CallReader,
+    CallStart,
     FunctionTool,
     Piece,
-    ToolCall,
-    ToolCallParser,
-    ToolChoice,
     encode_conversation,
-    output_pieces,
-    require_schema,
-    tool_call_schema,
+    openai_tools,
+    tool_plan,
 )
 from kvserve.server.protocol import APIError, _Model, dumps
+from kvserve.server.structured import from_text_format
+from kvserve.server.tools import ToolPlan, parser_for
 
 __all__ = ["PATHS", "ResponsesRendering", "ResponsesRequest", "register"]
 
@@ -154,36 +158,43 @@ def _json_or_text(arguments: str) -> Any:
         return arguments
 
 
-def tool_setup(body: ResponsesRequest) -> tuple[list[FunctionTool], ToolChoice]:
-    tools = []
+def tool_setup(body: ResponsesRequest, parser: str) -> ToolPlan | None:
+    """The request's function tools and tool choice as a plan (None: neither is given);
+    `required` and a named function come with the constraint of their forced call."""
+    specs = []
     for index, tool in enumerate(body.tools or ()):
-        where = f"tools[{index}]"
         if tool.get("type") != "function":
-            raise APIError(400, f"'{where}.type': only function tools are supported", param=where)
-        name, parameters = tool.get("name"), tool.get("parameters") or {}
-        if not isinstance(name, str) or not isinstance(parameters, Mapping):
-            raise APIError(400, f"'{where}': a function tool needs a name", param=where)
-        tools.append(FunctionTool(name, tool.get("description"), parameters))
+            where = f"tools[{index}].type"
+            raise APIError(400, f"'{where}': only function tools are supported", param=where)
+        parameters = tool.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        specs.append(FunctionTool(tool.get("name"), tool.get("description"), parameters))
+    tools = openai_tools(specs, "tools", "parameters")
     raw = body.tool_choice
-    if raw is None or raw == "auto":
-        return tools, ToolChoice("auto")
-    if raw == "none":
-        return tools, ToolChoice("none")
-    if not tools:
-        raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
-    if raw == "required":
-        return tools, ToolChoice("required")
-    if isinstance(raw, Mapping) and raw.get("type") == "function":
-        if raw.get("name") not in {tool.name for tool in tools}:
-            raise APIError(400, "'tool_choice.name' names no tool", param="tool_choice")
-        return tools, ToolChoice("named", raw["name"])
-    raise APIError(
-        400, "'tool_choice' must be none, auto, required or a function", param="tool_choice"
+    choice: Any = raw
+    if isinstance(raw, Mapping):
+        if raw.get("type") != "function" or not isinstance(raw.get("name"), str):
+            raise APIError(
+                400,
+                "'tool_choice' must be none, auto, required or {'type': 'function', 'name'}",
+                param="tool_choice",
+            )
+        choice = {"type": "function", "function": {"name": raw["name"]}}
+    return tool_plan(
+        tools,
+        choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        parser=parser,
+        param="tools",
     )
 
 
-def sampling_params(body: ResponsesRequest, vocab_size: int) -> SamplingParams:
-    """The request's SamplingParams, validated; errors name the Responses field."""
+def sampling_params(
+    body: ResponsesRequest, vocab_size: int, structured: StructuredOutput | None = None
+) -> SamplingParams:
+    """The request's SamplingParams, validated; errors name the Responses field. `structured`
+    is the answer's constraint (`text.format`, or a forced function call)."""
     return core_sampling_params(
         vocab_size,
         _PARAM_NAMES,
@@ -191,28 +202,22 @@ def sampling_params(body: ResponsesRequest, vocab_size: int) -> SamplingParams:
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         ignore_eos=bool(body.ignore_eos),
+        structured=structured,
     )
 
 
-def _text_format(
-    body: ResponsesRequest, params: SamplingParams
-) -> tuple[dict[str, Any], SamplingParams]:
-    """The `text.format` asked for, and the params; a JSON answer goes to the structured-output
-    point."""
-    fmt = (body.text or {}).get("format") or {"type": "text"}
-    kind = fmt.get("type") if isinstance(fmt, Mapping) else None
-    if kind == "text":
-        return dict(fmt), params
-    if kind == "json_schema":
-        schema = fmt.get("schema")
-        if not isinstance(schema, Mapping):
-            raise APIError(400, "'text.format.schema' must be an object", param="text.format")
-        return dict(fmt), require_schema(params, schema, param="text.format")
-    if kind == "json_object":
-        return dict(fmt), require_schema(params, {"type": "object"}, param="text.format")
-    raise APIError(
-        400, "'text.format.type' must be text, json_schema or json_object", param="text.format"
-    )
+def constraint(body: ResponsesRequest, plan: ToolPlan | None) -> StructuredOutput | None:
+    """The answer's constraint: `text.format`'s JSON, or a forced call's (not both)."""
+    text_format = from_text_format((body.text or {}).get("format"))
+    forced = plan.constraint if plan is not None else None
+    if text_format is not None and forced is not None:
+        raise APIError(
+            400,
+            "a required or named tool choice already constrains the answer; "
+            "drop the JSON 'text.format'",
+            param="tool_choice",
+        )
+    return text_format or forced
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,7 +227,7 @@ def _text_format(
 def _usage(usage: Usage) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.total_tokens,
@@ -237,16 +242,23 @@ class ResponsesRendering:
     """One Responses answer, streamed (`kvserve.server.core.Rendering`) or whole.
 
     `settings` are the request's own values the response object repeats (instructions,
-    max_output_tokens, temperature, tools, ...)."""
+    max_output_tokens, temperature, tools, ...); `plan` is the request's tools (None without):
+    text becomes a `message` item and each call a `function_call` item, its arguments streamed
+    as `response.function_call_arguments.delta` events."""
 
     def __init__(
-        self, response_id: str, model: str, settings: Mapping[str, Any], *, tools: bool
+        self,
+        response_id: str,
+        model: str,
+        settings: Mapping[str, Any],
+        *,
+        plan: ToolPlan | None = None,
     ) -> None:
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
         self.settings = dict(settings)
-        self._parser = ToolCallParser("call_") if tools else None
+        self._reader = CallReader(plan, "call_")
         self._items: list[dict[str, Any]] = []
         self._open_message = False
         self._sequence = 0
@@ -284,55 +296,57 @@ class ResponsesRendering:
 
     def _add(self, piece: Piece, stream: bool) -> str:
         """Add a piece to the output; the events saying so when streaming."""
-        out: list[str] = []
-        if isinstance(piece, ToolCall):
-            out.append(self._close_message(stream))
+        if isinstance(piece, CallStart):
             item = {
                 "type": "function_call",
                 "id": _item_id("fc"),
-                "call_id": piece.call_id,
+                "call_id": piece.id,
                 "name": piece.name,
-                "arguments": piece.arguments,
-                "status": "completed",
+                "arguments": "",
+                "status": "in_progress",
             }
-            index = len(self._items)
+            out = self._close_message(stream)
             self._items.append(item)
             if stream:
-                added = {**item, "arguments": "", "status": "in_progress"}
-                out.append(
-                    self._event("response.output_item.added", output_index=index, item=added)
+                index = len(self._items) - 1
+                out += self._event("response.output_item.added", output_index=index, item=item)
+            return out
+        if isinstance(piece, CallArguments | CallEnd):
+            item = self._items[-1]
+            ids = {"item_id": item["id"], "output_index": len(self._items) - 1}
+            if isinstance(piece, CallArguments):
+                item["arguments"] += piece.text
+                if not stream:
+                    return ""
+                return self._event(
+                    "response.function_call_arguments.delta", **ids, delta=piece.text
                 )
-                ids = {"item_id": item["id"], "output_index": index}
-                out.append(
-                    self._event(
-                        "response.function_call_arguments.delta", **ids, delta=piece.arguments
-                    )
-                )
-                out.append(
-                    self._event(
-                        "response.function_call_arguments.done", **ids, arguments=piece.arguments
-                    )
-                )
-                out.append(self._event("response.output_item.done", output_index=index, item=item))
-            return "".join(out)
+            item["arguments"] = piece.arguments
+            item["status"] = "completed"
+            if not stream:
+                return ""
+            return self._event(
+                "response.function_call_arguments.done", **ids, arguments=piece.arguments
+            ) + self._event(
+                "response.output_item.done", output_index=ids["output_index"], item=item
+            )
+        out = ""
         if not self._open_message:
-            if self._parser is not None and not piece.strip():
+            if self._reader.offers_tools and not piece.strip():
                 return ""  # no message for whitespace between calls
-            out.append(self._open(stream))
+            out = self._open(stream)
         part = self._items[-1]["content"][0]
         part["text"] += piece
         if stream:
-            out.append(
-                self._event(
-                    "response.output_text.delta",
-                    item_id=self._items[-1]["id"],
-                    output_index=len(self._items) - 1,
-                    content_index=0,
-                    delta=piece,
-                    logprobs=[],
-                )
+            out += self._event(
+                "response.output_text.delta",
+                item_id=self._items[-1]["id"],
+                output_index=len(self._items) - 1,
+                content_index=0,
+                delta=piece,
+                logprobs=[],
             )
-        return "".join(out)
+        return out
 
     def _open(self, stream: bool) -> str:
         self._open_message = True
@@ -375,10 +389,7 @@ class ResponsesRendering:
         )
 
     def _finish(self, final: Delta, stream: bool) -> str:
-        out = [
-            self._add(piece, stream)
-            for piece in output_pieces(self._parser, final.text, final=True)
-        ]
+        out = [self._add(piece, stream) for piece in self._reader.feed(final.text, final=True)]
         if not self._items:
             out.append(self._open(stream))  # an empty answer is still a message
         out.append(self._close_message(stream))
@@ -394,7 +405,7 @@ class ResponsesRendering:
 
     def frames(self, delta: Delta) -> str:
         return "".join(
-            self._add(piece, True) for piece in output_pieces(self._parser, delta.text, final=False)
+            self._add(piece, True) for piece in self._reader.feed(delta.text, final=False)
         )
 
     def tail(self, final: Delta) -> str:
@@ -413,7 +424,7 @@ class ResponsesRendering:
         if delta.finished:
             self._finish(delta, False)
             return
-        for piece in output_pieces(self._parser, delta.text, final=False):
+        for piece in self._reader.feed(delta.text, final=False):
             self._add(piece, False)
 
     def response(self, final: Delta) -> dict[str, Any]:
@@ -450,32 +461,26 @@ def register(app: FastAPI, state: ServerState) -> None:
                 "conversation in 'input'",
                 param="previous_response_id",
             )
-        params = sampling_params(body, engine.model_config.vocab_size)
-        text_format, params = _text_format(body, params)
-        tools, choice = tool_setup(body)
-        if choice.forced:
-            params = require_schema(params, tool_call_schema(tools, choice), param="tool_choice")
+        tokenizer = engine.tokenizer
+        plan = tool_setup(body, parser_for(tokenizer.chat_template, state.config.tool_call_parser))
+        params = sampling_params(body, engine.model_config.vocab_size, constraint(body, plan))
         messages = conversation(body)
         if not messages:
             raise APIError(400, "'input' must hold at least one item", param="input")
-        prompt_ids = await encode_conversation(
-            engine.tokenizer, messages, tools, choice, param="input"
-        )
+        prompt_ids = await encode_conversation(tokenizer, messages, plan, param="input")
         settings = {
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata or {},
             "temperature": params.temperature,
             "top_p": params.top_p,
-            "text": {"format": text_format},
+            "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
             "tool_choice": body.tool_choice or "auto",
             "tools": body.tools or [],
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
         }
         rendering = ResponsesRendering(
-            f"resp_{exchange.request_id}",
-            state.model_name or "",
-            settings,
-            tools=bool(tools) and choice.mode != "none",
+            f"resp_{exchange.request_id}", state.model_name or "", settings, plan=plan
         )
         return await state.generate(
             request,

@@ -1,0 +1,236 @@
+"""The prepared-weight cache: reused, invalidated, rebuilt when corrupt, and exact.
+
+Each test gets its own cache directory under tmp_path; the tiny synthetic model
+(kvserve/bench/big_model.py) keeps loads short. Whether the preparation ran is counted at
+`quantize_model`, the function that rotates, quantizes and packs.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvserve.bench.big_model import TINY, generate
+from kvserve.config import DeviceConfig
+from kvserve.model import llama as llama_module
+from kvserve.model import native, quant
+from kvserve.model.attention import build_metadata
+from kvserve.model.kv_cache import KVCache
+from kvserve.model.loader import load_model
+from tests.model.helpers import Chunk, greedy_continuation
+
+pytestmark = pytest.mark.skipif(
+    not native.int8_gemm_available(), reason="int8 weights need the CPU kernels (AVX512-VNNI)"
+)
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    """The tiny model as Q4_0 and Q8_0 (the same float weights rounded two ways)."""
+    return generate(TINY, ("Q4_0", "Q8_0"), tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def preparations(monkeypatch):
+    """How many times the int8 preparation ran."""
+    calls = []
+    original = llama_module.quantize_model
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(llama_module, "quantize_model", counted)
+    return calls
+
+
+def prompt_logits(loaded) -> torch.Tensor:
+    """Logits of every prompt position (one prefill)."""
+    model = loaded.model
+    ids = loaded.tokenizer.encode(PROMPT)
+    cache = KVCache(model.config, 1, 32, model.dtype, model.device)
+    meta = build_metadata([Chunk(0, len(ids), [0], True)], 32, model.device)
+    meta.logits_indices = torch.arange(len(ids))
+    return model.forward(torch.tensor(ids), meta, cache)
+
+
+def load(path, cache_dir, **options):
+    return load_model(
+        str(path), DeviceConfig(device="cpu", weight_cache_dir=str(cache_dir), **options)
+    )
+
+
+def test_second_load_reuses_the_prepared_weights(tiny_files, tmp_path, preparations):
+    first = load(tiny_files["Q4_0"], tmp_path)
+    assert (first.weight_cache, len(preparations)) == ("written", 1)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+    second = load(tiny_files["Q4_0"], tmp_path)
+    assert (second.weight_cache, len(preparations)) == ("hit", 1)
+    # Memory-mapped: the cache file is mapped into this process.
+    (cached,) = tmp_path.glob("*.safetensors")
+    with open("/proc/self/maps") as maps:
+        assert str(cached) in maps.read()
+    uncached = load(tiny_files["Q4_0"], tmp_path, weight_cache=False)
+    assert (uncached.weight_cache, len(preparations)) == ("off", 2)
+    expected = prompt_logits(uncached)
+    assert torch.equal(prompt_logits(first), expected)
+    assert torch.equal(prompt_logits(second), expected)
+    ids = second.tokenizer.encode(PROMPT)
+    assert greedy_continuation(second.model, ids, 6) == greedy_continuation(uncached.model, ids, 6)
+
+
+def test_the_cache_is_invalidated_when_the_checkpoint_changes(tiny_files, tmp_path, preparations):
+    model_path = tmp_path / "model.gguf"
+    shutil.copy(tiny_files["Q4_0"], model_path)
+    cache_dir = tmp_path / "cache"
+    before = load(model_path, cache_dir)
+    logits_before = prompt_logits(before)
+    # Another model of the same shape and size, written over the same path.
+    other = generate(replace(TINY, seed=1), ("Q4_0",), tmp_path / "other")["Q4_0"]
+    assert other.stat().st_size == model_path.stat().st_size
+    shutil.copy(other, model_path)
+    after = load(model_path, cache_dir)
+    assert (after.weight_cache, len(preparations)) == ("written", 2)
+    assert not torch.equal(prompt_logits(after), logits_before)
+    # The key is the content, not the path: the same model elsewhere is a hit.
+    elsewhere = load(other, cache_dir)
+    assert (elsewhere.weight_cache, len(preparations)) == ("hit", 2)
+    assert torch.equal(prompt_logits(after), prompt_logits(elsewhere))
+
+
+def test_the_cache_is_invalidated_when_the_preparation_changes(
+    tiny_files, tmp_path, preparations, monkeypatch
+):
+    load(tiny_files["Q8_0"], tmp_path)
+    monkeypatch.setattr(quant, "PREPARATION_VERSION", quant.PREPARATION_VERSION + 1)
+    assert load(tiny_files["Q8_0"], tmp_path).weight_cache == "written"
+    assert len(preparations) == 2
+    # Options that shape the prepared tensors are part of the key too.
+    float32 = load(tiny_files["Q8_0"], tmp_path, dtype="float32", quantization="int8")
+    assert float32.weight_cache == "written"
+    assert load(tiny_files["Q8_0"], tmp_path).weight_cache == "hit"
+    assert len(preparations) == 3
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "zeroed", "empty"])
+def test_a_corrupt_cache_file_is_rebuilt(tiny_files, tmp_path, preparations, damage):
+    expected = prompt_logits(load(tiny_files["Q4_0"], tmp_path))
+    (cached,) = tmp_path.glob("*.safetensors")
+    data = bytearray(cached.read_bytes())
+    middle = len(data) // 2
+    if damage == "truncated":
+        data = data[: middle + 3]
+    elif damage == "garbage":
+        data[middle : middle + 4096] = random.Random(0).randbytes(4096)
+    elif damage == "zeroed":
+        data[middle : middle + 64] = bytes(64)
+    else:
+        data = bytearray()
+    cached.write_bytes(bytes(data))
+    rebuilt = load(tiny_files["Q4_0"], tmp_path)
+    assert (rebuilt.weight_cache, len(preparations)) == ("rebuilt", 2)
+    assert torch.equal(prompt_logits(rebuilt), expected)
+    again = load(tiny_files["Q4_0"], tmp_path)
+    assert (again.weight_cache, len(preparations)) == ("hit", 2)
+    assert torch.equal(prompt_logits(again), expected)
+
+
+def test_an_unwritable_cache_directory_only_costs_the_cache(tiny_files, tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache directory would be")
+    loaded = load(tiny_files["Q8_0"], blocker / "prepared")
+    assert loaded.weight_cache == "unwritten"
+    assert greedy_continuation(loaded.model, loaded.tokenizer.encode(PROMPT), 3)
+
+
+def test_q4_0_and_q8_0_files_of_the_same_tiny_model_load_and_answer(tiny_files, tmp_path):
+    answers, logits = {}, {}
+    for quant_type, path in tiny_files.items():
+        loaded = load(path, tmp_path)
+        assert loaded.config.num_layers == TINY.num_layers
+        assert loaded.config.vocab_size == 49152
+        assert loaded.model.quantization == "int8"
+        assert loaded.quantization == ["F32", quant_type]
+        ids = loaded.tokenizer.encode(PROMPT)
+        answers[quant_type] = greedy_continuation(loaded.model, ids, 8)
+        assert loaded.tokenizer.decode(answers[quant_type])
+        logits[quant_type] = prompt_logits(loaded)
+    # The same weights rounded to 4 and 8 bits: the logits agree closely, not exactly.
+    cosine = torch.nn.functional.cosine_similarity(logits["Q4_0"], logits["Q8_0"], dim=-1)
+    assert cosine.min() > 0.9, cosine
+    assert not torch.equal(logits["Q4_0"], logits["Q8_0"])
+
+
+def test_the_default_model_answers_the_same_from_the_cache(loaded_default):
+    """The session's default model is in the session's cache directory (tests/conftest.py)
+    once a fixture has loaded it; loading it again maps that file, and answers exactly as a
+    model prepared without the cache."""
+    assert loaded_default.weight_cache in ("written", "hit")
+    again = load_model(None, DeviceConfig(device="cpu"))
+    assert again.weight_cache == "hit"
+    uncached = load_model(None, DeviceConfig(device="cpu", weight_cache=False))
+    assert uncached.weight_cache == "off"
+    assert torch.equal(prompt_logits(again), prompt_logits(uncached))
+    ids = again.tokenizer.encode(PROMPT)
+    answer = again.tokenizer.decode(greedy_continuation(again.model, ids, 4))
+    assert "Paris" in answer
+
+
+def test_cli_flags_reach_the_device_config(tmp_path):
+    import argparse
+
+    from kvserve.cli import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    config = engine_config_from_args(
+        parser.parse_args(["--weight-cache-dir", str(tmp_path), "--no-weight-cache"])
+    )
+    assert (config.device.weight_cache_dir, config.device.weight_cache) == (str(tmp_path), False)
+    config = engine_config_from_args(parser.parse_args([]))
+    assert config.device.weight_cache is True
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("qwen2", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}),
+        ("qwen3", {"head_dim": 64}),
+    ],
+    ids=["qwen2-bias-untied", "qwen3-qk-norm"],
+)
+def test_biases_qk_norms_and_an_untied_head_round_trip(tmp_path, arch, overrides):
+    """What llama-shaped tiny files lack: q|k|v biases, q/k norms, a separate lm_head."""
+    from kvserve.model.llama import LlamaModel
+    from kvserve.model.safetensors import SafetensorsCheckpoint
+    from kvserve.model.weight_cache import WeightCache
+    from tests.model.test_safetensors import save_tiny, tiny_config
+
+    save_tiny(tmp_path / "model", tiny_config(arch, **overrides))
+    checkpoint = SafetensorsCheckpoint(tmp_path / "model")
+    config = checkpoint.config
+    model = LlamaModel.from_tensors(
+        config, checkpoint.get, dtype=torch.float32, device=torch.device("cpu"), quantization="int8"
+    )
+    tensors, numbers = model.prepared_tensors()
+    assert "lm_head" in tensors
+    assert any(name.endswith(".bias") for name in tensors) == config.attention_bias
+    assert any(name.startswith("qk_norm.") for name in tensors) == config.qk_norm
+    cache = WeightCache(tmp_path / "cache")
+    assert cache.store("0" * 32, tensors, numbers) is not None
+    restored = LlamaModel.from_prepared(config, *cache.load("0" * 32))
+    ids = list(range(5, 40))
+
+    def logits(m):
+        kv = KVCache(config, 2, 32, torch.float32, torch.device("cpu"))
+        meta = build_metadata([Chunk(0, len(ids), [0, 1], True)], 32, torch.device("cpu"))
+        meta.logits_indices = torch.arange(len(ids))
+        return m.forward(torch.tensor(ids), meta, kv)
+
+    assert torch.equal(logits(restored), logits(model))
