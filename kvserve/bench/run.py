@@ -14,9 +14,11 @@ import datetime
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,6 +53,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until_ready(server: subprocess.Popen, url: str, timeout: float = 300.0) -> None:
+    """Poll `url`/ready until 200; RuntimeError if the server exits or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"server exited with {server.returncode}")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("server did not become ready")
 
 
 # Every answer under this schema is longer than the benchmark's 128 output tokens (at least 100
@@ -126,35 +143,31 @@ def http_bench(
 
 
 @contextlib.contextmanager
-def serving(*flags: str) -> Iterator[str]:
-    """`kvserve serve FLAGS` on a free loopback port, ready; yields its URL, stops it after."""
+def serving(*flags: str, command: str = "serve", timeout: float = 300.0) -> Iterator[str]:
+    """`kvserve COMMAND FLAGS` on a free loopback port until ready; yields its URL and stops it
+    (SIGINT, as an operator would) after. Its output goes to a temporary file, shown if it fails
+    to start: an unread pipe would stall a server that logs every request."""
     port = free_port()
-    command = [sys.executable, "-m", "kvserve", "serve", "--host", "127.0.0.1"]
-    command += ["--port", str(port), *flags]
-    server = subprocess.Popen(
-        command, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if server.poll() is not None:
-                raise RuntimeError(f"server exited: {server.stdout.read().decode()[-2000:]}")
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("server did not become ready")
-        yield url
-    finally:
-        server.terminate()
+    argv = [sys.executable, "-m", "kvserve", command, "--host", "127.0.0.1"]
+    argv += ["--port", str(port), *flags]
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(argv, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
         try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+            try:
+                wait_until_ready(server, url, timeout)
+            except RuntimeError as exc:
+                log.seek(0)
+                output = log.read().decode(errors="replace")[-2000:]
+                raise RuntimeError(f"{exc}: {output}") from None
+            yield url
+        finally:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
 
 
 def viewer_section(args: argparse.Namespace) -> tuple[list[str], dict]:
@@ -184,7 +197,9 @@ def viewer_section(args: argparse.Namespace) -> tuple[list[str], dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make bench", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--only", default="model,engine,http,prefix,bigmodel,viewer", help="comma list of sections"
+        "--only",
+        default="model,engine,http,prefix,bigmodel,viewer,cluster",
+        help="comma list of sections",
     )
     parser.add_argument(
         "--skip-bigmodel",
@@ -314,6 +329,34 @@ def main(argv: list[str] | None = None) -> int:
                     f"({r.output_throughput:.0f} / {engine.output_tok_s:.0f} out tok/s).  "
                 )
         out.append("")
+
+    if "cluster" in sections:
+        print("cluster benchmark (ingress + 1 replica against kvserve serve)...", flush=True)
+        from kvserve.bench.cluster_bench import format_cluster_table, run_cluster_bench
+
+        rows = run_cluster_bench(
+            [c for c in concurrencies if c in (8, 32)] or [8, 32],
+            two_replicas=True,
+            engine_flags=[
+                *("--dtype", args.dtype, "--quantization", args.quantization),
+                *("--kv-cache-dtype", args.kv_cache_dtype),
+            ],
+        )
+        out += [
+            "### Cluster (`kvserve cluster --replicas 1` against `kvserve serve`, same run; "
+            "128-token prompts, 64 output tokens, streaming completions)\n",
+            format_cluster_table(rows),
+            "",
+        ]
+        raw["cluster"] = [
+            {
+                "concurrency": r.concurrency,
+                "ratio": r.ratio,
+                "direct": r.direct.to_dict() | {"records": None},
+                "cluster": r.cluster.to_dict() | {"records": None},
+            }
+            for r in rows
+        ]
 
     if "prefix" in sections:
         print("prefix cache benchmark...", flush=True)
