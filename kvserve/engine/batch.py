@@ -19,6 +19,7 @@ from kvserve.core.plan import StepPlan
 from kvserve.engine.prompt_logprobs import score_rows
 from kvserve.engine.sampler import RowState, Sampler
 from kvserve.engine.stream import TokenLogprob
+from kvserve.engine.structured import start_bitmasks
 from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.llama import LlamaModel
@@ -97,6 +98,10 @@ class Batch:
         if plan.num_rows == 0:
             return StepOutput({}, 0)
         token_ids, sampling_ids, states, logits_rows = self.inputs(plan, rows)
+        # The grammar masks depend only on the tokens accepted so far: fill them on their own
+        # thread while the forward pass runs.
+        grammars = [state.grammar for state in states if state.grammar is not None]
+        masks = start_bitmasks(grammars, self.model.config.vocab_size) if grammars else None
         meta = build_metadata(plan.chunks, self.block_size, self.device, native=self.model.native)
         scoring = _scoring(plan, scored) if scored else None
         if scoring is not None:
@@ -117,7 +122,8 @@ class Batch:
             # logits: [sampling chunks, vocab] -> [sampling sequences, vocab]
             index = torch.tensor(logits_rows, dtype=torch.long, device=logits.device)
             logits = logits.index_select(0, index)
-        result = self.sampler.sample(logits, states)
+        bitmask = None if masks is None else masks.result()
+        result = self.sampler.sample(logits, states, bitmask)
         sampled = {
             seq_id: Sampled(token, logprob, top)
             for seq_id, token, logprob, top in zip(

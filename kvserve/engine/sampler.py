@@ -113,11 +113,18 @@ class Sampler:
             self._generators[device] = generator
         return generator
 
-    def process_logits(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
-        """The logits after logit_bias, suppression and penalties, as float32.
+    def process_logits(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[RowState],
+        bitmask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The logits after logit_bias, suppression, penalties and grammar masks, as float32.
 
         Log-probabilities are the log_softmax of this; temperature and truncation come after.
-        `logits` itself is never modified.
+        `logits` itself is never modified. `bitmask` holds the constrained rows' masks in row
+        order when the caller filled them already (beside the forward pass); None fills them
+        here.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
@@ -158,16 +165,24 @@ class Sampler:
         if constrained:
             if not copied:
                 processed, copied = processed.clone(), True
-            bitmask = fill_bitmasks([rows[i].grammar for i in constrained], processed.shape[1])
+            if bitmask is None:
+                grammars = [rows[i].grammar for i in constrained]
+                bitmask = fill_bitmasks(grammars, processed.shape[1])
             apply_token_bitmask(processed, bitmask, constrained)
         return processed
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[RowState]) -> SampleOutput:
-        """Draw one token per row; see the module docstring for the order of processing."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[RowState],
+        bitmask: torch.Tensor | None = None,
+    ) -> SampleOutput:
+        """Draw one token per row; see the module docstring for the order of processing.
+        `bitmask`: the constrained rows' grammar masks, when already filled."""
         num_rows = len(rows)
         if num_rows == 0:
             return SampleOutput(token_ids=[], logprobs=[], top_logprobs=[])
-        processed = self.process_logits(logits, rows)
+        processed = self.process_logits(logits, rows, bitmask)
         device = processed.device
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
 

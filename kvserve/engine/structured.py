@@ -13,6 +13,8 @@ choice). Its pieces map onto the engine like this:
   advances it with every sampled token, and drops it in its one release path.
 - `fill_bitmasks` fills the bitmasks of every constrained row of a step in one call that runs
   in llguidance's own threads; the sampler applies them with a C kernel before drawing.
+  `start_bitmasks` starts that call on a thread of its own, so the Batch has it run while the
+  forward pass runs (the matchers are only advanced after the step, on the loop thread).
 
 llguidance allows an end-of-sequence token only where the grammar accepts, so a constrained
 answer can only end complete (or be cut by max_tokens).
@@ -229,3 +231,16 @@ def fill_bitmasks(grammars: Sequence[GrammarState], vocab_size: int) -> torch.Te
         _mask_executor(), [(grammar.matcher, i) for i, grammar in enumerate(grammars)], bitmask
     )
     return bitmask
+
+
+_filler: ThreadPoolExecutor | None = None
+
+
+def start_bitmasks(grammars: Sequence[GrammarState], vocab_size: int) -> Future[torch.Tensor]:
+    """`fill_bitmasks` started on the mask thread; its result is the bitmask tensor."""
+    global _filler
+    if _filler is None:
+        with _executor_lock:
+            if _filler is None:
+                _filler = ThreadPoolExecutor(1, thread_name_prefix="kvserve-masks")
+    return _filler.submit(fill_bitmasks, list(grammars), vocab_size)

@@ -162,3 +162,52 @@ def test_a_cached_bad_grammar_is_refused_at_submit(loaded_default):
     assert isinstance(first[-1].error, InvalidRequest)
     assert first[-1].error.param == error.param == "structured_outputs.regex"
     assert idle
+
+
+def test_a_steps_masks_are_filled_in_one_call_beside_the_forward_pass(loaded_default, monkeypatch):
+    import kvserve.engine.batch as batch_module
+
+    events: list[tuple[str, int]] = []
+    start = batch_module.start_bitmasks
+
+    def recording_start(grammars, vocab_size):
+        events.append(("masks", len(grammars)))
+        return start(grammars, vocab_size)
+
+    monkeypatch.setattr(batch_module, "start_bitmasks", recording_start)
+
+    async def body(engine):
+        forward = engine.batch.model.forward
+
+        def recording_forward(*args, **kwargs):
+            events.append(("forward", 0))
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(engine.batch.model, "forward", recording_forward)
+        prompt = loaded_default.tokenizer.encode("Answer yes or no:")
+        streams = [
+            engine.submit(
+                request(
+                    prompt,
+                    max_tokens=8,
+                    temperature=0,
+                    structured=StructuredOutput.regex("(yes|no)( (yes|no)){3}"),
+                )
+            )
+            for _ in range(3)
+        ]
+        free = engine.submit(request(prompt, max_tokens=8, temperature=0, ignore_eos=True))
+        answers = [await collect(stream) for stream in streams]
+        await collect(free)
+        return answers, engine.is_idle()
+
+    answers, idle = run_engine(loaded_default, make_config(slots=4), body)
+    for answer in answers:
+        assert re.fullmatch("(yes|no)( (yes|no)){3}", text_of(answer))
+    assert idle
+    # Every step that samples constrained rows starts one fill for all of them, before its
+    # forward pass; the unconstrained row never takes part.
+    fills = [(i, n) for i, (kind, n) in enumerate(events) if kind == "masks"]
+    assert fills and {n for _, n in fills} <= {1, 2, 3} and 3 in {n for _, n in fills}
+    for i, _ in fills:
+        assert events[i + 1][0] == "forward"
