@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -97,11 +98,23 @@ def banner(engine: Engine, model_name: str, url: str, server_config: ServerConfi
     )
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (an IPv6 host when it holds a colon)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; 0 after a clean stop, 1 when the model failed to load."""
-    from kvserve.engine.engine import Engine
-    from kvserve.server.app import Server, create_app
-
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -113,6 +126,20 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvserve serve: {exc}", file=sys.stderr)
         return 2
+    # Listen before the heavy imports (torch, the engine): a client that connects during the
+    # seconds they take waits in the backlog instead of being refused; /health then answers as
+    # soon as the app runs, and /ready once the model is loaded.
+    try:
+        sock = listen(server_config.host, server_config.port)
+    except OSError as exc:
+        print(
+            f"kvserve serve: cannot listen on {server_config.host}:{server_config.port}: {exc}",
+            file=sys.stderr,
+        )
+        return 2
+
+    from kvserve.engine.engine import Engine
+    from kvserve.server.app import Server, create_app
 
     failed: list[BaseException] = []
     server: Server | None = None
@@ -146,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         "loading %s; GET /ready answers 200 once it is loaded",
         engine_config.model or "the default model",
     )
-    server.run()
+    server.run(sockets=[sock])
     if failed:
         print(f"kvserve serve: the model failed to load: {failed[0]}", file=sys.stderr)
         return 1

@@ -57,6 +57,58 @@ class _Lines:
                 return line
 
 
+def test_the_port_accepts_connections_before_the_heavy_imports(tmp_path):
+    """`kvserve serve` listens before it imports torch and the engine: a client that connects
+    meanwhile waits in the backlog and is answered, never refused."""
+    port = _free_port()
+    go = tmp_path / "go"
+    held = tmp_path / "held"
+    code = f"""
+import importlib.abc, os, pathlib, sys, time
+
+class HoldTheEngine(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "kvserve.engine.engine":
+            pathlib.Path({str(held)!r}).touch()
+            while not os.path.exists({str(go)!r}):
+                time.sleep(0.02)
+        return None
+
+sys.meta_path.insert(0, HoldTheEngine())
+from kvserve.cli import main
+sys.exit(main(["serve", "--host", "127.0.0.1", "--port", "{port}",
+               "--num-kv-blocks", "16", "--max-num-seqs", "1", "--max-model-len", "256"]))
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not held.exists():  # the engine's import has started and is held there
+            assert process.poll() is None, process.stderr.read()
+            assert time.monotonic() < deadline, "the engine import was never reached"
+            time.sleep(0.02)
+        # The engine is not imported yet, and the port already takes a connection.
+        client = socket.create_connection(("127.0.0.1", port), timeout=120)
+        with client:
+            client.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            go.touch()
+            head = client.recv(4096).decode()
+        assert head.startswith("HTTP/1.1 200"), head
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=120) == 0
+    finally:
+        go.touch()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 @pytest.mark.parametrize(
     ("stop_signal", "int8"),
     [(signal.SIGINT, True), (signal.SIGTERM, False)],
