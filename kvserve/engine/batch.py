@@ -99,8 +99,12 @@ class Batch:
             return StepOutput({}, 0)
         token_ids, sampling_ids, states, logits_rows = self.inputs(plan, rows)
         # The grammar masks depend only on the tokens accepted so far: fill them on their own
-        # thread while the forward pass runs.
-        grammars = [state.grammar for state in states if state.grammar is not None]
+        # thread while the forward pass runs (the rows that guess first need none, mostly).
+        grammars = [
+            state.grammar
+            for state in states
+            if state.grammar is not None and not self.sampler.guesses(state)
+        ]
         masks = start_bitmasks(grammars, self.model.config.vocab_size) if grammars else None
         meta = build_metadata(plan.chunks, self.block_size, self.device, native=self.model.native)
         scoring = _scoring(plan, scored) if scored else None

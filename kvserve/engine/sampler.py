@@ -4,12 +4,14 @@ The parameters it honours are `kvserve.params.SamplingParams`. `Sampler.sample`
 turns one `[rows, vocab]` logits tensor into one token per row, each row honouring its own
 parameters, in this order:
 
-1. logit_bias (and the row's suppressed token ids, which become -inf), then the grammar's
-   bitmask for rows under structured output (tokens the grammar forbids become -inf; the masks
-   of all such rows are filled in one batched call and applied by a C kernel);
+1. logit_bias (and the row's suppressed token ids, which become -inf);
 2. repetition penalty over prompt + output tokens (HF/vLLM: positive logits are divided by the
    penalty, negative ones multiplied), then presence/frequency penalties over output tokens only
-   (OpenAI: ``logit -= count * frequency_penalty + (count > 0) * presence_penalty``);
+   (OpenAI: ``logit -= count * frequency_penalty + (count > 0) * presence_penalty``); then the
+   grammar's bitmask for rows under structured output (tokens the grammar forbids become -inf;
+   the masks are filled in one batched call and applied by a C kernel). A greedy row without
+   log-probabilities first checks its best token: if the grammar allows it, it is the best
+   allowed token too, and the row is left unmasked (`Sampler.guesses`);
 3. log-probabilities, when asked for, are the log_softmax of these processed logits: before
    temperature and truncation, so they describe the model's distribution as adjusted by the
    request, not the sharpened/truncated one the token is finally drawn from;
@@ -42,6 +44,12 @@ from kvserve.params import SamplingParams
 # Below this temperature, dividing logits overflows float32; such rows are sampled greedily,
 # which is the limit they approach anyway.
 _MIN_TEMPERATURE = 1e-5
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    """Greedy rows: temperature 0 or top_k 1, and temperatures whose division would overflow."""
+    return params.greedy or params.temperature < _MIN_TEMPERATURE
+
 
 _UINT64_MASK = 2**64 - 1
 
@@ -113,6 +121,13 @@ class Sampler:
             self._generators[device] = generator
         return generator
 
+    @staticmethod
+    def guesses(row: RowState) -> bool:
+        """Whether a constrained row tries its unconstrained best token before any mask: a
+        greedy row without log-probabilities (its answer is the same either way; a sampled
+        row's distribution or a reported log-probability would not be)."""
+        return _is_greedy(row.params) and row.params.logprobs is None
+
     def process_logits(
         self,
         logits: torch.Tensor,
@@ -122,9 +137,10 @@ class Sampler:
         """The logits after logit_bias, suppression, penalties and grammar masks, as float32.
 
         Log-probabilities are the log_softmax of this; temperature and truncation come after.
-        `logits` itself is never modified. `bitmask` holds the constrained rows' masks in row
-        order when the caller filled them already (beside the forward pass); None fills them
-        here.
+        `logits` itself is never modified. `bitmask` holds the masks of the constrained rows
+        that do not guess (`guesses`), in row order, when the caller filled them already
+        (beside the forward pass); None fills them here. A guessing row whose best token the
+        grammar allows is left unmasked.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
@@ -163,12 +179,29 @@ class Sampler:
 
         constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
         if constrained:
-            if not copied:
-                processed, copied = processed.clone(), True
-            if bitmask is None:
-                grammars = [rows[i].grammar for i in constrained]
-                bitmask = fill_bitmasks(grammars, processed.shape[1])
-            apply_token_bitmask(processed, bitmask, constrained)
+            guessing = [i for i in constrained if self.guesses(rows[i])]
+            masked = [i for i in constrained if not self.guesses(rows[i])]
+            if guessing:
+                index = torch.tensor(guessing, device=processed.device)
+                best = _argmax(processed.index_select(0, index)).tolist()
+                missed = [
+                    i
+                    for i, token in zip(guessing, best, strict=True)
+                    if not rows[i].grammar.allows(token)
+                ]
+            else:
+                missed = []
+            if masked or missed:
+                if not copied:
+                    processed, copied = processed.clone(), True
+                vocab_size = processed.shape[1]
+                if masked:
+                    if bitmask is None:
+                        bitmask = fill_bitmasks([rows[i].grammar for i in masked], vocab_size)
+                    apply_token_bitmask(processed, bitmask, masked)
+                if missed:
+                    missed_mask = fill_bitmasks([rows[i].grammar for i in missed], vocab_size)
+                    apply_token_bitmask(processed, missed_mask, missed)
         return processed
 
     def sample(
@@ -190,7 +223,7 @@ class Sampler:
         random_indices = []
         for index, row in enumerate(rows):
             params = row.params
-            if params.greedy or params.temperature < _MIN_TEMPERATURE:
+            if _is_greedy(params):
                 greedy_indices.append(index)
             else:
                 random_indices.append(index)

@@ -11,10 +11,13 @@ choice). Its pieces map onto the engine like this:
 - `StructuredOutputManager.matcher` gives each request its own `GrammarState` (a copy of the
   compiled matcher: cheap, no recompilation). The engine keeps it on the request's state,
   advances it with every sampled token, and drops it in its one release path.
-- `fill_bitmasks` fills the bitmasks of every constrained row of a step in one call that runs
-  in llguidance's own threads; the sampler applies them with a C kernel before drawing.
-  `start_bitmasks` starts that call on a thread of its own, so the Batch has it run while the
-  forward pass runs (the matchers are only advanced after the step, on the loop thread).
+- `fill_bitmasks` fills the bitmasks of a step's constrained rows in one call that runs in
+  llguidance's own threads; the sampler applies them with a C kernel before drawing. A greedy
+  row first checks its unconstrained choice (`GrammarState.allows`): when the grammar allows
+  it, it is also the best allowed token, and that row needs no mask at all (most steps of a
+  model that follows the format). `start_bitmasks` starts the call for the rows that cannot
+  take that shortcut on a thread of its own, so the Batch has it run beside the forward pass
+  (the matchers are only advanced after the step, on the loop thread).
 
 llguidance allows an end-of-sequence token only where the grammar accepts, so a constrained
 answer can only end complete (or be cut by max_tokens).
@@ -68,6 +71,11 @@ class GrammarState:
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False when the grammar does not allow it."""
         return self.matcher.consume_token(token_id)
+
+    def allows(self, token_id: int) -> bool:
+        """Whether the grammar allows `token_id` next (end-of-sequence included), without
+        advancing: one token's check, far cheaper than the whole vocabulary's mask."""
+        return self.matcher.validate_tokens([token_id]) == 1
 
     @property
     def is_stopped(self) -> bool:

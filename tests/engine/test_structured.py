@@ -164,7 +164,9 @@ def test_a_cached_bad_grammar_is_refused_at_submit(loaded_default):
     assert idle
 
 
-def test_a_steps_masks_are_filled_in_one_call_beside_the_forward_pass(loaded_default, monkeypatch):
+def test_sampled_rows_masks_are_filled_in_one_call_beside_the_forward_pass(
+    loaded_default, monkeypatch
+):
     import kvserve.engine.batch as batch_module
 
     events: list[tuple[str, int]] = []
@@ -175,6 +177,7 @@ def test_a_steps_masks_are_filled_in_one_call_beside_the_forward_pass(loaded_def
         return start(grammars, vocab_size)
 
     monkeypatch.setattr(batch_module, "start_bitmasks", recording_start)
+    pattern = "(yes|no)( (yes|no)){3}"
 
     async def body(engine):
         forward = engine.batch.model.forward
@@ -185,29 +188,79 @@ def test_a_steps_masks_are_filled_in_one_call_beside_the_forward_pass(loaded_def
 
         monkeypatch.setattr(engine.batch.model, "forward", recording_forward)
         prompt = loaded_default.tokenizer.encode("Answer yes or no:")
+        constraint = StructuredOutput.regex(pattern)
         streams = [
             engine.submit(
-                request(
-                    prompt,
-                    max_tokens=8,
-                    temperature=0,
-                    structured=StructuredOutput.regex("(yes|no)( (yes|no)){3}"),
-                )
+                request(prompt, max_tokens=8, temperature=0.8, seed=seed, structured=constraint)
             )
-            for _ in range(3)
+            for seed in range(3)
         ]
+        # Greedy constrained and unconstrained rows take no part in the early fill.
+        greedy = engine.submit(request(prompt, max_tokens=8, temperature=0, structured=constraint))
         free = engine.submit(request(prompt, max_tokens=8, temperature=0, ignore_eos=True))
-        answers = [await collect(stream) for stream in streams]
+        answers = [await collect(stream) for stream in (*streams, greedy)]
         await collect(free)
         return answers, engine.is_idle()
 
-    answers, idle = run_engine(loaded_default, make_config(slots=4), body)
+    answers, idle = run_engine(loaded_default, make_config(slots=5), body)
     for answer in answers:
-        assert re.fullmatch("(yes|no)( (yes|no)){3}", text_of(answer))
+        assert re.fullmatch(pattern, text_of(answer))
     assert idle
-    # Every step that samples constrained rows starts one fill for all of them, before its
-    # forward pass; the unconstrained row never takes part.
+    # Every step that samples constrained rows at random starts one fill for all of them,
+    # before its forward pass.
     fills = [(i, n) for i, (kind, n) in enumerate(events) if kind == "masks"]
     assert fills and {n for _, n in fills} <= {1, 2, 3} and 3 in {n for _, n in fills}
     for i, _ in fills:
         assert events[i + 1][0] == "forward"
+
+
+def test_greedy_rows_that_guess_right_need_no_mask_and_answer_the_same(loaded_fp32, monkeypatch):
+    import kvserve.engine.sampler as sampler_module
+    import kvserve.engine.structured as structured_module
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "days": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+        },
+        "required": ["city", "days"],
+    }
+    questions = ["Describe Paris as JSON.", "Plan three days in Rome:", "The weather in Oslo"]
+    calls: list[int] = []
+    fill = sampler_module.fill_bitmasks
+
+    def counting_fill(grammars, vocab_size):
+        calls.append(len(grammars))
+        return fill(grammars, vocab_size)
+
+    monkeypatch.setattr(sampler_module, "fill_bitmasks", counting_fill)
+    monkeypatch.setattr(structured_module, "fill_bitmasks", counting_fill)  # beside the forward
+
+    def answers():
+        async def body(engine):
+            streams = [
+                engine.submit(
+                    request(
+                        loaded_fp32.tokenizer.encode(question),
+                        max_tokens=24,
+                        temperature=0,
+                        structured=StructuredOutput.json_schema(schema),
+                    )
+                )
+                for question in questions
+            ]
+            return [text_of(await collect(stream)) for stream in streams]
+
+        return run_engine(loaded_fp32, make_config(slots=3), body)
+
+    guessed = answers()
+    masked_rows_guessing = sum(calls)
+    calls.clear()
+    monkeypatch.setattr(sampler_module.Sampler, "guesses", staticmethod(lambda row: False))
+    masked = answers()
+    # The same tokens, with far fewer rows masked: a mask only where the best token was wrong.
+    assert guessed == masked
+    assert masked_rows_guessing < sum(calls)
+    for text in guessed:
+        assert text.startswith("{")
