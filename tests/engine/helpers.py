@@ -73,3 +73,24 @@ def tokens_of(deltas) -> list[int]:
 
 def text_of(deltas) -> str:
     return "".join(d.text for d in deltas)
+
+
+WORDS = (
+    "river",
+    "stone",
+    "light",
+    "paper",
+    "window",
+    "orange",
+    "quiet",
+    "seven",
+    "market",
+    "garden",
+)
+"""Words whose prompts tokenize alike in every run: a test's prompts are chosen by seed."""
+
+
+def words(tokenizer, count: int, seed: int) -> list[int]:
+    """The token ids of `count` of `WORDS`, in an order chosen by `seed`."""
+    text = " ".join(WORDS[(seed * 7 + i * 3) % len(WORDS)] for i in range(count))
+    return tokenizer.encode(text)

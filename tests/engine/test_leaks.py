@@ -21,20 +21,8 @@ from hypothesis import strategies as st
 from kvserve.engine.engine import Engine
 from kvserve.params import StructuredOutput
 from kvserve.request import QueueFull, RequestCancelled
-from tests.engine.helpers import make_config, request
+from tests.engine.helpers import WORDS, make_config, request
 
-WORDS = [
-    "river",
-    "stone",
-    "light",
-    "paper",
-    "window",
-    "orange",
-    "quiet",
-    "seven",
-    "market",
-    "garden",
-]
 FINISH_REASONS = {"stop", "length", "cancelled", "slow_consumer", "queue_timeout", "queue_full"}
 # (queue_full: the queue filled while the request's grammar compiled)
 

@@ -11,26 +11,9 @@ from __future__ import annotations
 import asyncio
 
 from kvserve.config import CacheConfig, EngineConfig
-from tests.engine.helpers import collect, make_config, request, run_engine, tokens_of
+from tests.engine.helpers import collect, make_config, request, run_engine, tokens_of, words
 
 BS = 32
-
-
-def words(tokenizer, count: int, seed: int) -> list[int]:
-    vocabulary = [
-        "river",
-        "stone",
-        "light",
-        "paper",
-        "window",
-        "orange",
-        "quiet",
-        "seven",
-        "market",
-        "garden",
-    ]
-    text = " ".join(vocabulary[(seed * 7 + i * 3) % len(vocabulary)] for i in range(count))
-    return tokenizer.encode(text)
 
 
 def without_cache(config: EngineConfig) -> EngineConfig:
