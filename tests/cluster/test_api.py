@@ -56,7 +56,12 @@ def test_openai_client_streams_and_each_response_names_its_replica(client, model
     for index in range(4):
         raw = client.chat.completions.with_raw_response.create(
             model=model,
-            messages=[{"role": "user", "content": f"Count to {index + 3}."}],
+            # A system message of its own: with the template's default one, every prompt
+            # would start with the same block, and the router would keep them together.
+            messages=[
+                {"role": "system", "content": f"You are counter number {index}."},
+                {"role": "user", "content": f"Count to {index + 3}."},
+            ],
             max_tokens=4,
             stream=True,
         )
@@ -71,7 +76,7 @@ def test_openai_client_streams_and_each_response_names_its_replica(client, model
         httpx.post(cluster.url + "/v1/completions", json={"prompt": 5}),  # a 400 too
     ):
         assert response.headers["x-kvserve-replica"] in replicas
-    # Distinct short prompts take turns.
+    # Prompts that differ from their first block on take turns.
     assert seen == replicas
 
 
