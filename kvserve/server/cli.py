@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 from typing import TYPE_CHECKING
@@ -174,6 +175,15 @@ def run(args: argparse.Namespace) -> int:
         engine_config.model or "the default model",
     )
     server.run(sockets=[sock])
+    if app.state.kvserve.loading:
+        # Stopped while the model loads in a thread nothing can interrupt. Finalizing the
+        # interpreter under that thread can abort the process (a thread that logs during
+        # finalization is a fatal error), and there is nothing to save yet: end here.
+        log.info("stopped while the model was loading")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if failed:
         print(f"kvserve serve: the model failed to load: {failed[0]}", file=sys.stderr)
         return 1

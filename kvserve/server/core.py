@@ -165,6 +165,7 @@ class ServerState:
         self._engine_factory = engine_factory
         self._on_ready = on_ready
         self._on_load_error = on_load_error
+        self._loader: threading.Thread | None = None
 
     @property
     def ready(self) -> bool:
@@ -192,7 +193,8 @@ class ServerState:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(settle, engine, error)
 
-        threading.Thread(target=build, name="kvserve-load", daemon=True).start()
+        self._loader = threading.Thread(target=build, name="kvserve-load", daemon=True)
+        self._loader.start()
         try:
             engine = await built
             await engine.start()
@@ -208,6 +210,11 @@ class ServerState:
         self.engine = engine
         if self._on_ready is not None:
             self._on_ready(engine)
+
+    @property
+    def loading(self) -> bool:
+        """Whether the model is being loaded right now (in its thread)."""
+        return self._loader is not None and self._loader.is_alive()
 
     async def stop(self) -> None:
         """End every request (finish reason "shutdown") and stop the engine. Idempotent."""

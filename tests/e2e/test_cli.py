@@ -109,6 +109,53 @@ sys.exit(main(["serve", "--host", "127.0.0.1", "--port", "{port}",
             process.wait()
 
 
+def test_a_stop_while_the_model_loads_exits_cleanly(tmp_path):
+    """SIGINT while the model is still loading (held inside the load, in its thread): the
+    process stops at once with status 0, without waiting for the load or aborting."""
+    port = _free_port()
+    held = tmp_path / "held"
+    code = f"""
+import importlib.abc, pathlib, sys, threading, time
+
+class HoldTheLoad(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "kvserve.model.gguf" and threading.current_thread() is not threading.main_thread():
+            pathlib.Path({str(held)!r}).touch()
+            while True:
+                time.sleep(1)
+        return None
+
+sys.meta_path.insert(0, HoldTheLoad())
+from kvserve.cli import main
+sys.exit(main(["serve", "--host", "127.0.0.1", "--port", "{port}",
+               "--num-kv-blocks", "16", "--max-num-seqs", "1", "--max-model-len", "256"]))
+"""
+    process = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not held.exists():
+            assert process.poll() is None, process.stderr.read()
+            assert time.monotonic() < deadline, "the load was never reached"
+            time.sleep(0.02)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            assert client.get("/health").status_code == 200
+            ready = client.get("/ready")
+            assert ready.status_code == 503 and ready.json()["status"] == "loading"
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0, process.stderr.read()
+        assert "stopped while the model was loading" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 @pytest.mark.parametrize(
     ("stop_signal", "int8"),
     [(signal.SIGINT, True), (signal.SIGTERM, False)],
