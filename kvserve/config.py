@@ -28,7 +28,7 @@ def env_default(flag: str, default, cast=str):
     return cast(raw)
 
 
-QUANTIZATIONS = ("auto", "none", "int8")
+QUANTIZATIONS = ("auto", "none", "int8", "q4")
 KV_CACHE_DTYPES = ("auto", "model", "int8")
 # Positions per KV block the command line accepts (vLLM's set above 1); each is tested.
 BLOCK_SIZES = (8, 16, 32, 64, 128)

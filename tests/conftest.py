@@ -60,6 +60,15 @@ def loaded_bf16():
 
 
 @pytest.fixture(scope="session")
+def loaded_q4():
+    """The default model keeping its file's 4-bit blocks (--quantization q4), bf16 elsewhere."""
+    from kvserve.config import DeviceConfig
+    from kvserve.model.loader import load_model
+
+    return load_model(None, DeviceConfig(device="cpu", quantization="q4"))
+
+
+@pytest.fixture(scope="session")
 def loaded_int8():
     """The default model with int8 linear layers (--quantization int8), bf16 elsewhere."""
     from kvserve.config import DeviceConfig

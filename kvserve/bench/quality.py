@@ -60,7 +60,11 @@ INT8_LINEAR = QualityConfig(
 )
 INT8_KV = QualityConfig("int8 KV cache", BF16.device, torch.int8)
 INT8_BOTH = QualityConfig("int8 linear + int8 KV cache", INT8_LINEAR.device, torch.int8)
-CONFIGS = (FLOAT32, BF16, INT8_LINEAR, INT8_KV, INT8_BOTH)
+Q4_LINEAR = QualityConfig(
+    "4-bit blocks", DeviceConfig(device="cpu", dtype="bfloat16", quantization="q4")
+)
+Q4_BOTH = QualityConfig("4-bit blocks + int8 KV cache", Q4_LINEAR.device, torch.int8)
+CONFIGS = (FLOAT32, BF16, INT8_LINEAR, INT8_KV, INT8_BOTH, Q4_LINEAR, Q4_BOTH)
 
 
 def quality_text(topics: Sequence[str] = TOPICS) -> str:

@@ -257,17 +257,14 @@ def config_from_fields(fields: Any, tensor_names: set[str]) -> ModelConfig:
     )
 
 
-def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_rope_rows(weight, num_heads: int):
     """Undo llama.cpp's q/k permutation: per head, rows [r0, r_half, r1, r_half+1, ...]
-    (interleaved pairs) back to [first half | second half] (Hugging Face layout)."""
+    (interleaved pairs) back to [first half | second half] (Hugging Face layout). `weight`: a
+    tensor or a numpy array (a block-quantized weight's rows of bytes), whose type is kept."""
     rest = weight.shape[1:]
     head_dim = weight.shape[0] // num_heads
-    return (
-        weight.reshape(num_heads, head_dim // 2, 2, *rest)
-        .transpose(1, 2)
-        .reshape(weight.shape)
-        .contiguous()
-    )
+    rows = weight.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
+    return rows.contiguous() if isinstance(rows, torch.Tensor) else np.ascontiguousarray(rows)
 
 
 def dequantize_tensor(tensor: TensorEntry) -> torch.Tensor:
@@ -314,10 +311,25 @@ class GGUFCheckpoint:
         tensor = self.tensors.get(name)
         if tensor is None:
             return None
-        weight = dequantize_tensor(tensor)
+        return self._unpermuted(name, dequantize_tensor(tensor))
+
+    def _unpermuted(self, name: str, rows):
+        """The q/k rows of a llama file back in Hugging Face order (any other tensor as is).
+        `rows`: a tensor or array whose first axis is the output rows."""
         if self.config.architecture == "llama":
             if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-                weight = unpermute_rope_rows(weight, self.config.num_heads)
-            elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-                weight = unpermute_rope_rows(weight, self.config.num_kv_heads)
-        return weight
+                return unpermute_rope_rows(rows, self.config.num_heads)
+            if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+                return unpermute_rope_rows(rows, self.config.num_kv_heads)
+        return rows
+
+    def tensor_type(self, name: str) -> str | None:
+        """The GGML type of a tensor by Hugging Face name ("Q4_1", "F32", ...), None if absent."""
+        tensor = self.tensors.get(name)
+        return None if tensor is None else tensor.tensor_type.name
+
+    def raw_rows(self, name: str) -> np.ndarray:
+        """A block-quantized weight's bytes as uint8 [rows, row bytes], rows in Hugging Face
+        order (a view of the mapped file where no reordering is needed)."""
+        tensor = self.tensors[name]
+        return self._unpermuted(name, np.asarray(tensor.data))

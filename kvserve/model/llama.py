@@ -13,12 +13,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.model import native
+from kvserve.model import native, native_q4
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.linear import Linear
-from kvserve.model.quant import Int8Weights, quantize_model
+from kvserve.model.quant import Int8Weight, Int8Weights, quantize_model
+from kvserve.model.quant4 import Q4Weights
 
 # A loader hands tensors over by Hugging Face name, already in HF layout ([out, in], un-permuted).
 TensorSource = Callable[[str], torch.Tensor | None]
@@ -30,6 +31,10 @@ KV_INT8_REQUIREMENTS = (
 INT8_REQUIREMENTS = (
     "--quantization int8 runs on the CPU kernels (needs a C compiler, a CPU device, "
     "float32 or bfloat16, and head_dim 64 or 128)"
+)
+Q4_REQUIREMENTS = (
+    "--quantization q4 runs on the CPU kernels (needs a C compiler, a CPU with AVX512-VNNI, "
+    "float32 or bfloat16, head_dim 64 or 128, and a GGUF file whose layers are Q4_0/Q4_1)"
 )
 
 # Candidates per row whose logits are recomputed in float32 when the weights are bf16/fp16.
@@ -60,11 +65,12 @@ class LlamaModel:
         lm_head: torch.Tensor,
         quantization: str = "none",
         *,
-        prepared: Int8Weights | None = None,
+        prepared: Int8Weights | Q4Weights | None = None,
         qk_norms: list[torch.Tensor | None] | None = None,
     ) -> None:
         """`prepared`: int8 weights prepared earlier (the weight cache) for quantization "int8",
-        with `layers` empty and the layers' q/k norms in `qk_norms`."""
+        with `layers` empty and the layers' q/k norms in `qk_norms`; for "q4", the 4-bit
+        weights (kvserve/model/quant4.py), which every "q4" model is built from."""
         self.config = config
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
@@ -72,7 +78,7 @@ class LlamaModel:
         self.lm_head = lm_head  # [vocab, hidden] (the same tensor as embed when tied)
         # Per layer: (q|k|v, o, gate|up, down) as prepared products. The int8 path replaces
         # them, so it skips their float packing (seconds for a 1B model).
-        float_products = quantization != "int8"
+        float_products = quantization == "none"
         self.projections = [
             (Linear(w.qkv, w.qkv_bias), Linear(w.o), Linear(w.gate_up), Linear(w.down))
             for w in (layers if float_products else [])
@@ -91,10 +97,17 @@ class LlamaModel:
         self._build_rope_tables(config.max_position_embeddings)
         self.quantization = quantization
         self.int8: Int8Weights | None = None
+        self.q4: Q4Weights | None = None
         if quantization == "int8":
             self._quantize_int8(prepared)
+        elif quantization == "q4":
+            if not isinstance(prepared, Q4Weights):
+                raise ValueError("a q4 model is built from its 4-bit weights (quant4.prepare)")
+            if not self.fused or not native_q4.q4_available():
+                raise ValueError(Q4_REQUIREMENTS)
+            self.q4 = prepared
         elif quantization != "none":
-            raise ValueError(f"unknown quantization {quantization!r} (use none or int8)")
+            raise ValueError(f"unknown quantization {quantization!r} (use none, int8 or q4)")
 
     @property
     def supports_int8_kv_cache(self) -> bool:
@@ -155,6 +168,46 @@ class LlamaModel:
             "int8",
             prepared=prepared,
             qk_norms=qk_norms,
+        )
+
+    @classmethod
+    def from_q4(
+        cls,
+        config: ModelConfig,
+        checkpoint,
+        *,
+        dtype: torch.dtype,
+        progress: Callable[[int], None] | None = None,
+    ) -> LlamaModel:
+        """A model whose layers keep the 4-bit blocks of a GGUF checkpoint (kvserve/model/
+        quant4.py; `quant4.unsupported` says whether it can). CPU only."""
+        from kvserve.model import quant4
+
+        def need(name: str) -> torch.Tensor:
+            tensor = checkpoint.get(name)
+            if tensor is None:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return tensor
+
+        embed = need("model.embed_tokens.weight").to(dtype).contiguous()
+        if progress:
+            progress(1)
+        layers = quant4.load_layers(checkpoint, config, progress)
+        norm = need("model.norm.weight").float().contiguous()
+        head = None if config.tie_word_embeddings else checkpoint.get("lm_head.weight")
+        lm_head = embed if head is None else head.to(dtype).contiguous()
+        weights = quant4.prepare(config, layers, norm, lm_head)
+        if progress:
+            progress(1)
+        return cls(
+            config,
+            embed,
+            [],
+            norm,
+            lm_head,
+            "q4",
+            prepared=weights,
+            qk_norms=[layer.qk_norm for layer in layers],
         )
 
     @classmethod
@@ -246,11 +299,12 @@ class LlamaModel:
 
     @property
     def num_bytes(self) -> int:
-        if self.int8 is not None:
+        quantized = self.int8 or self.q4
+        if quantized is not None:
             tensors = [self.embed, self.norm] + (
                 [] if self.lm_head is self.embed else [self.lm_head]
             )
-            return self.int8.num_bytes + sum(t.numel() * t.element_size() for t in tensors)
+            return quantized.num_bytes + sum(t.numel() * t.element_size() for t in tensors)
         tensors = [self.embed, self.norm]
         if self.lm_head is not self.embed:
             tensors.append(self.lm_head)
@@ -284,6 +338,8 @@ class LlamaModel:
             )
         if self.int8 is not None:
             return self._forward_int8(token_ids, meta, kv_cache)
+        if self.q4 is not None:
+            return self._forward_q4(token_ids, meta, kv_cache)
         if self.fused and self.native:
             return self._forward_fused(token_ids, meta, kv_cache)
         cfg = self.config
@@ -446,18 +502,52 @@ class LlamaModel:
 
         return self._int8_logits(x[meta.logits_indices])
 
+    def _forward_q4(
+        self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """The fused path with the weights in their 4-bit blocks (kvserve/model/quant4.py):
+        every layer in one call to the C driver (kvserve/model/csrc/forward_q4.c)."""
+        x = F.embedding(token_ids, self.embed).float()  # [rows, hidden] residual, fp32
+        native_q4.forward_q4(
+            x,
+            self.q4.native_layers,
+            kv_cache.kv,
+            kv_cache.scales,
+            config=self.config,
+            scale=self.scale,
+            dtype=self.dtype,
+            positions=meta.positions,
+            cos_half=self.rope_cos_half,
+            sin_half=self.rope_sin_half,
+            slots=meta.slot_mapping,
+            tables=meta.chunk_tables,
+            row_tables=meta.row_tables,
+            lengths=meta.row_lengths,
+        )
+        x = x[meta.logits_indices]
+        rotated = native.rotate_rows(x, self.q4.rotation) if x.shape[0] else x
+        return self._quantized_logits(rotated, self.q4.head, unrotated=x)
+
     def _int8_logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits of the rows x ([rows, hidden] float32, the rotated residual after the
-        last layer): the int8 lm_head picks each row's candidates, recomputed exactly."""
-        weights, eps = self.int8, self.config.rms_norm_eps
+        last layer)."""
+        if x.shape[0] == 0:
+            return self._quantized_logits(x, self.int8.head, x)
+        return self._quantized_logits(x, self.int8.head, native.rotate_rows(x, self.int8.inverse))
+
+    def _quantized_logits(
+        self, x: torch.Tensor, head: Int8Weight, unrotated: torch.Tensor
+    ) -> torch.Tensor:
+        """float32 logits of the rows x ([rows, hidden] float32, the residual after the last
+        layer in the head's rotated basis; `unrotated`: the same rows in the model's basis): the
+        int8 lm_head (final norm folded in) picks each row's candidates, recomputed exactly."""
+        eps = self.config.rms_norm_eps
         if x.shape[0] == 0:  # a step whose chunks all continue a prompt samples nothing
             return x.new_empty(0, self.config.vocab_size)
         q, s = native.add_rmsnorm_q8(x, None, None, None, eps)
-        head = weights.head
         logits = native.dequantize(head.matmul(q), s, head.scale, None, torch.float32)
-        # The best candidates of each row, exactly, from the rows turned back (as in `logits`)
-        hidden = self.config.hidden_size
-        x = F.rms_norm(native.rotate_rows(x, weights.inverse), (hidden,), self.norm, eps)
+        # The best candidates of each row, exactly, from the rows in the model's basis
+        x = F.rms_norm(unrotated, (self.config.hidden_size,), self.norm, eps)
         return self._refine(logits, x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -88,8 +88,14 @@ def choose_quantization(
     dtype: torch.dtype,
     *,
     dtype_asked: bool = False,
+    q4_unsupported: str | None = None,
 ) -> tuple[str, str]:
-    """Resolve `--quantization` to "none" or "int8", with the reason in a few words.
+    """Resolve `--quantization` to "none", "int8" or "q4", with the reason in a few words.
+
+    `q4_unsupported` says why `--quantization q4` (the file's 4-bit blocks kept in memory, see
+    kvserve/model/quant4.py) cannot run this checkpoint here; None: it can. `auto` does not pick
+    it: its products take twice the integer multiplies of int8's, so prefill and many streams at
+    once run at about half int8's speed, for twice the speed at one stream (docs/serving.md).
 
     A dtype asked for by name (`--dtype float32`, `LLM(dtype="float32")`) is a request for the
     float path in that dtype, so `auto` keeps it.
@@ -100,6 +106,8 @@ def choose_quantization(
     precision. Without AVX512-VNNI the int8 products go through torch._int_mm, still faster
     than float on the CPU (docs/serving.md).
     """
+    if requested == "q4" and q4_unsupported is not None:
+        raise ValueError(f"--quantization q4 cannot run this model here: {q4_unsupported}")
     if requested != "auto":
         return requested, "asked for"
     if dtype_asked:
@@ -167,7 +175,7 @@ class LoadedModel:
     dtype: torch.dtype
     load_seconds: float
     quantization: list[str]  # the checkpoint's tensor types
-    # What `--quantization` resolved to ("none" | "int8") and why, in a few words.
+    # What `--quantization` resolved to ("none" | "int8" | "q4") and why, in a few words.
     quantization_reason: str = "asked for"
     # The prepared-weight cache at this load: "hit", "written", "rebuilt" (a corrupt file was
     # replaced), "unwritten" (could not write), "off" (disabled or nothing to prepare).
@@ -215,6 +223,11 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
         tokenizer = Tokenizer.from_gguf(path, fields=checkpoint.fields)
         name = DEFAULT_MODEL_NAME if path == default_model_path() else path.stem
     config = checkpoint.config
+    q4_unsupported = "not on the CPU" if device.type != "cpu" else None
+    if q4_unsupported is None and device_config.quantization == "q4":
+        from kvserve.model import quant4
+
+        q4_unsupported = quant4.unsupported(checkpoint, config)
     quantization, reason = choose_quantization(
         device_config.quantization,
         checkpoint.quantization,
@@ -222,6 +235,7 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
         device,
         dtype,
         dtype_asked=device_config.dtype != "auto",
+        q4_unsupported=q4_unsupported,
     )
 
     def prepare() -> LlamaModel:
@@ -232,6 +246,8 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
             disable=not sys.stderr.isatty(),
             leave=False,
         ) as bar:
+            if quantization == "q4":
+                return LlamaModel.from_q4(config, checkpoint, dtype=dtype, progress=bar.update)
             return LlamaModel.from_tensors(
                 config,
                 checkpoint.get,

@@ -39,6 +39,8 @@ SOURCES = [
     CSRC / "int8_gemm.c",
     CSRC / "kv_int8.c",
     CSRC / "forward_int8.c",
+    CSRC / "q4_gemm.c",
+    CSRC / "forward_q4.c",
     CSRC / "bitmask.c",
 ]
 HEADER = CSRC / "common.h"
@@ -168,6 +170,9 @@ def library() -> ctypes.CDLL | None:
     lib.kvserve_int8_gemm_available.restype = ctypes.c_int
     for name in ("kvserve_add_rmsnorm_q8", "kvserve_silu_mul_q8", "kvserve_rotate_rows"):
         getattr(lib, name).restype = None
+    from kvserve.model import native_q4
+
+    native_q4.declare(lib)
     return lib
 
 

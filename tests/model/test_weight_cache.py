@@ -61,6 +61,7 @@ def prompt_logits(loaded) -> torch.Tensor:
 
 
 def load(path, cache_dir, **options):
+    options.setdefault("quantization", "int8")  # the path whose weights are prepared and cached
     return load_model(
         str(path), DeviceConfig(device="cpu", weight_cache_dir=str(cache_dir), **options)
     )
