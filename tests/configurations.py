@@ -22,6 +22,8 @@ class Configuration:
     exact: bool  # a row's result does not depend on its batch mates (greedy answers comparable)
 
 
+# `--quantization q4` with the int8 KV cache is covered by the model tests
+# (tests/model/test_quant4.py) and the quality benchmark, to keep the suite's time.
 CONFIGURATIONS = [
     Configuration("fp32", "loaded_fp32", "model", exact=True),
     Configuration("bf16", "loaded_bf16", "model", exact=False),
@@ -31,7 +33,6 @@ CONFIGURATIONS = [
     # 12-bit activations keep the last bits of bf16 attention, whose prefill tiles sum in
     # another order than single rows: a row's result depends on how its prompt was chunked.
     Configuration("q4-weights", "loaded_q4", "model", exact=False),
-    Configuration("q4-both", "loaded_q4", "int8", exact=True),
 ]
 
 needs_vnni = pytest.mark.skipif(
