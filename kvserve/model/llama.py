@@ -132,30 +132,43 @@ class LlamaModel:
     # -- construction -------------------------------------------------------------------------
 
     def prepared_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-        """Everything an int8 model is made of, for the weight cache: tensors by name (the
-        tied lm_head once) and the integers that complete them. See `from_prepared`."""
-        if self.int8 is None:
-            raise ValueError("only int8 models have prepared weights to cache")
-        tensors, numbers = self.int8.to_tensors()
-        tensors = {f"int8.{name}": t for name, t in tensors.items()}
+        """Everything an int8 or q4 model is made of, for the weight cache: tensors by name
+        (the tied lm_head once) and the integers that complete them. See `from_prepared`."""
+        quantized = self.int8 or self.q4
+        if quantized is None:
+            raise ValueError("only int8 and q4 models have prepared weights to cache")
+        tensors, numbers = quantized.to_tensors()
+        tensors = {f"{self.quantization}.{name}": t for name, t in tensors.items()}
         tensors |= {"embed": self.embed, "norm": self.norm}
         if self.lm_head is not self.embed:
             tensors["lm_head"] = self.lm_head
-        for index, qk_norm in enumerate(self.qk_norms):
-            if qk_norm is not None:
-                tensors[f"qk_norm.{index}"] = qk_norm
+        if self.int8 is not None:
+            for index, qk_norm in enumerate(self.qk_norms):
+                if qk_norm is not None:
+                    tensors[f"qk_norm.{index}"] = qk_norm
         return tensors, numbers
 
     @classmethod
     def from_prepared(
         cls, config: ModelConfig, tensors: dict[str, torch.Tensor], numbers: dict[str, int]
     ) -> LlamaModel:
-        """The int8 model `prepared_tensors` described, using the tensors where they lie
+        """The int8 or q4 model `prepared_tensors` described, using the tensors where they lie
         (memory-mapped from the weight cache: nothing is rotated, quantized or packed)."""
+        embed = tensors["embed"]
+        lm_head = tensors.get("lm_head", embed)
+        if any(name.startswith("q4.") for name in tensors):
+            q4 = Q4Weights.from_tensors(
+                {name[3:]: t for name, t in tensors.items() if name.startswith("q4.")},
+                numbers,
+                config,
+            )
+            qk_norms = [layer.qk_norm for layer in q4.layers]
+            return cls(
+                config, embed, [], tensors["norm"], lm_head, "q4", prepared=q4, qk_norms=qk_norms
+            )
         prepared = Int8Weights.from_tensors(
             {name[5:]: t for name, t in tensors.items() if name.startswith("int8.")}, numbers
         )
-        embed = tensors["embed"]
         qk_norms = [tensors.get(f"qk_norm.{i}") for i in range(config.num_layers)]
         if config.qk_norm and any(n is None for n in qk_norms):
             raise KeyError("prepared weights lack the q/k norms")
@@ -164,7 +177,7 @@ class LlamaModel:
             embed,
             [],
             tensors["norm"],
-            tensors.get("lm_head", embed),
+            lm_head,
             "int8",
             prepared=prepared,
             qk_norms=qk_norms,

@@ -258,7 +258,7 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
             )
 
     cache = None
-    if device_config.weight_cache and quantization == "int8" and device.type == "cpu":
+    if device_config.weight_cache and quantization in ("int8", "q4") and device.type == "cpu":
         from kvserve.model.weight_cache import WeightCache
 
         cache = WeightCache(device_config.weight_cache_dir)

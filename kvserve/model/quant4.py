@@ -30,7 +30,6 @@ from kvserve.model.quant import Int8Weight, residual_rotation
 # GGUF block sizes in bytes: Q4_0 = d (float16) + 16 bytes of nibbles; Q4_1 adds m (float16).
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 FORMATS = frozenset(BLOCK_BYTES)
-_FIELDS = ("packed", "bias")
 _LAYER_WEIGHTS = ("qkv", "o", "gate_up", "down")
 
 
@@ -170,6 +169,54 @@ class Q4Weights:
     head: Int8Weight
     rotation: torch.Tensor  # [hidden, hidden] float32
     native_layers: object = None  # the C driver's table (kvserve.model.native_q4)
+
+    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """Every tensor by name, and the integers that complete them (for the weight cache)."""
+        tensors = {"rotation": self.rotation} | self.head.to_tensors("head")
+        numbers = {"num_layers": len(self.layers)}
+        for index, layer in enumerate(self.layers):
+            prefix = f"layers.{index}"
+            for name in _LAYER_WEIGHTS:
+                weight = getattr(layer, name)
+                tensors[f"{prefix}.{name}.packed"] = weight.packed
+                if weight.bias is not None:
+                    tensors[f"{prefix}.{name}.bias"] = weight.bias
+                numbers[f"{prefix}.{name}.n"] = weight.out_features
+                numbers[f"{prefix}.{name}.asym"] = int(weight.asym)
+            for name in ("attn_norm", "mlp_norm", "qk_norm"):
+                if getattr(layer, name) is not None:
+                    tensors[f"{prefix}.{name}"] = getattr(layer, name)
+        return tensors, numbers
+
+    @classmethod
+    def from_tensors(
+        cls, tensors: dict[str, torch.Tensor], numbers: dict[str, int], config
+    ) -> Q4Weights:
+        """The inverse of `to_tensors` (the tensors are used where they lie: memory-mapped);
+        the C layer table is rebuilt and checked against the model's shapes."""
+        layers = []
+        for index in range(numbers["num_layers"]):
+            prefix = f"layers.{index}"
+            weights = {
+                name: Q4Weight(
+                    tensors[f"{prefix}.{name}.packed"],
+                    int(numbers[f"{prefix}.{name}.n"]),
+                    bool(numbers[f"{prefix}.{name}.asym"]),
+                    tensors.get(f"{prefix}.{name}.bias"),
+                )
+                for name in _LAYER_WEIGHTS
+            }
+            layers.append(
+                Q4Layer(
+                    **weights,
+                    attn_norm=tensors[f"{prefix}.attn_norm"],
+                    mlp_norm=tensors[f"{prefix}.mlp_norm"],
+                    qk_norm=tensors.get(f"{prefix}.qk_norm"),
+                )
+            )
+        weights = cls(layers, Int8Weight.from_tensors(tensors, "head"), tensors["rotation"])
+        weights.native_layers = native_q4.q4_layer_table(layers, config)
+        return weights
 
     @property
     def num_bytes(self) -> int:

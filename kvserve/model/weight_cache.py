@@ -1,4 +1,4 @@
-"""Prepared weights cached on disk, so a restart skips the preparation of int8 weights.
+"""Prepared weights cached on disk, so a restart skips the preparation of int8 or q4 weights.
 
 Preparing int8 weights (dequantize, rotate, quantize, pack: kvserve/model/quant.py) costs
 seconds per hundred million parameters, at every start. The prepared tensors are written once
@@ -44,7 +44,15 @@ FORMAT = "kvserve-prepared-weights/1"
 ENV_DIR = "KVSERVE_WEIGHT_CACHE_DIR"
 SAMPLE_BYTES = 4096
 NUM_SAMPLES = 1024
-_PREPARING_SOURCES = ("quant.py", "llama.py", "gguf.py", "safetensors.py", "native.py")
+_PREPARING_SOURCES = (
+    "quant.py",
+    "quant4.py",
+    "llama.py",
+    "gguf.py",
+    "safetensors.py",
+    "native.py",
+    "native_q4.py",
+)
 
 
 class CorruptCacheError(ValueError):
@@ -111,7 +119,8 @@ def _preparation_digest() -> str:
     here = Path(__file__).parent
     for name in _PREPARING_SOURCES:
         digest.update((here / name).read_bytes())
-    digest.update((here / "csrc" / "int8_gemm.c").read_bytes())
+    for kernel in ("int8_gemm.c", "q4_gemm.c"):  # the packed layouts
+        digest.update((here / "csrc" / kernel).read_bytes())
     return digest.hexdigest()
 
 

@@ -242,3 +242,20 @@ def test_a_decode_row_does_not_depend_on_its_batch_mates(loaded_q4, cache_dtype)
     together = model.forward(torch.tensor([other[39], ids[69]]), meta, cache)
     assert torch.allclose(alone[0], together[1], rtol=0, atol=1e-4)
     assert int(alone[0].argmax()) == int(together[1].argmax())
+
+
+@needs_kernels
+def test_the_weight_cache_keeps_q4_weights(tiny_files, tmp_path):
+    """A q4 model is cached at its first start and memory-mapped at the next, with the same
+    logits; the int8 preparation of the same file is a different entry."""
+    options = {"device": "cpu", "weight_cache_dir": str(tmp_path), "quantization": "q4"}
+    first = load_model(str(tiny_files["Q4_0"]), DeviceConfig(**options))
+    second = load_model(str(tiny_files["Q4_0"]), DeviceConfig(**options))
+    assert (first.weight_cache, second.weight_cache) == ("written", "hit")
+    (cached,) = tmp_path.glob("*.safetensors")
+    with open("/proc/self/maps") as maps:
+        assert str(cached) in maps.read()
+    ids = first.tokenizer.encode("The capital of France is")
+    assert torch.equal(_prompt_logits(first.model, ids), _prompt_logits(second.model, ids))
+    int8 = load_model(str(tiny_files["Q4_0"]), DeviceConfig(**options | {"quantization": "int8"}))
+    assert int8.weight_cache == "written" and len(list(tmp_path.glob("*.safetensors"))) == 2
