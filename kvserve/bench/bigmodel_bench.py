@@ -9,10 +9,13 @@ Q4_0, and for the default model:
 - the engine at 1, 8 and 32 concurrent requests (kvserve/bench/engine_bench.py, fewer and
   shorter requests than the engine section, to keep the run short): output tok/s and the
   single stream's inter-token time;
-- the bytes of weights one decode step reads (every int8 product's panels, scales and
-  corrections, the int8 lm_head and the two residual rotations), against what reading the
-  file's 4-bit or 8-bit blocks would take, and the batch-1 bound each gives at the memory
-  bandwidth measured in the same run (a sum over a 1 GiB buffer on every thread).
+- the bytes of weights one decode step reads (with int8 weights: every product's panels, scales
+  and corrections, the int8 lm_head and the two residual rotations; with `--quantization q4`:
+  the packed 4-bit blocks, the int8 lm_head and its rotation), against what reading the file's
+  blocks would take, and the batch-1 bound each gives at the memory bandwidth measured in the
+  same run (a sum over a 1 GiB buffer on every thread).
+
+The Q4_0 file runs twice: int8 (what `auto` picks) and q4 (its blocks kept in memory).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class StartResult:
 @dataclass
 class DecodeResult:
     label: str
-    weight_bytes_per_step: int  # int8 weights as the decode step reads them
+    weight_bytes_per_step: int  # the prepared weights as the decode step reads them
     block_bytes_per_step: int  # the same products read as the file's blocks
     bandwidth: float = 0.0  # bytes/s, measured just before this file's decode runs
     tok_s: dict[int, float] = field(default_factory=dict)  # concurrency -> output tok/s
@@ -72,11 +75,14 @@ def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return nbytes / best
 
 
-def timed_start(model: str | None, cache_dir: Path) -> tuple[float, float, str]:
+def timed_start(
+    model: str | None, cache_dir: Path, quantization: str = "auto"
+) -> tuple[float, float, str]:
     """(load_model seconds, process seconds, cache status) of loading `model` in a new
     process with `cache_dir` as the prepared-weight cache."""
     env = dict(os.environ, KVSERVE_WEIGHT_CACHE_DIR=str(cache_dir))
     command = [sys.executable, "-m", "kvserve.bench.bigmodel_bench", "--start", model or ""]
+    command += ["--quantization", quantization]
     started = time.perf_counter()
     result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     process_s = time.perf_counter() - started
@@ -86,12 +92,14 @@ def timed_start(model: str | None, cache_dir: Path) -> tuple[float, float, str]:
     return report["load_seconds"], process_s, report["weight_cache"]
 
 
-def measure_starts(label: str, model: str | None, file_bytes: int) -> StartResult:
+def measure_starts(
+    label: str, model: str | None, file_bytes: int, quantization: str = "auto"
+) -> StartResult:
     """First (empty cache) and cached start of `model`, each in a fresh process."""
     cache_dir = Path(tempfile.mkdtemp(prefix="kvserve-bench-prepared-"))
     try:
-        first = timed_start(model, cache_dir)
-        cached = timed_start(model, cache_dir)
+        first = timed_start(model, cache_dir, quantization)
+        cached = timed_start(model, cache_dir, quantization)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
     return StartResult(
@@ -108,21 +116,27 @@ def block_bytes(path: Path) -> int:
 
 
 def measure_decode(
-    label: str, path: Path, concurrencies: tuple[int, ...], output_len: int
+    label: str,
+    path: Path,
+    concurrencies: tuple[int, ...],
+    output_len: int,
+    quantization: str = "auto",
 ) -> DecodeResult:
-    """The engine on `path` (int8, its prepared weights cached in a temporary directory)."""
+    """The engine on `path` (int8 or q4 weights, prepared in a temporary directory)."""
     from kvserve.bench.engine_bench import measure_engine
     from kvserve.config import DeviceConfig
     from kvserve.model.loader import load_model
 
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-prepared-") as cache_dir:
-        loaded = load_model(str(path), DeviceConfig(device="cpu", weight_cache_dir=cache_dir))
-        if loaded.model.int8 is None:
-            raise RuntimeError(f"{label}: expected int8 weights, got {loaded.model.quantization}")
-        # The machine's load changes within a run: the bound uses the bandwidth of the moment.
-        result = DecodeResult(
-            label, loaded.model.int8.num_bytes, block_bytes(path), measure_bandwidth()
+        loaded = load_model(
+            str(path),
+            DeviceConfig(device="cpu", weight_cache_dir=cache_dir, quantization=quantization),
         )
+        prepared = loaded.model.int8 or loaded.model.q4
+        if prepared is None:
+            raise RuntimeError(f"{label}: expected int8 or q4, got {loaded.model.quantization}")
+        # The machine's load changes within a run: the bound uses the bandwidth of the moment.
+        result = DecodeResult(label, prepared.num_bytes, block_bytes(path), measure_bandwidth())
         for concurrency in concurrencies:
             engine = measure_engine(
                 loaded,
@@ -170,9 +184,9 @@ def format_report(
         lines += [
             "",
             f"#### Decode through the engine (128-token prompts, {output_len} output tokens, "
-            "int8 weights, int8 KV cache)\n",
-            "| file | weights read per step (int8) | as file blocks | bandwidth (GB/s) "
-            "| batch-1 bound int8 / blocks (ms) | 1-stream inter-token (ms) | "
+            "int8 KV cache)\n",
+            "| file, weights | weights read per step | as file blocks | bandwidth (GB/s) "
+            "| batch-1 bound, read / blocks (ms) | 1-stream inter-token (ms) | "
             + " | ".join(f"out tok/s @{c}" for c in concurrencies)
             + " |",
             "| --- | ---: | ---: | ---: | ---: | ---: | "
@@ -188,7 +202,7 @@ def format_report(
                 f"{_mib(d.block_bytes_per_step)} | {measured / 1e9:.1f} | "
                 f"{bound:.1f} / {block_bound:.1f} | "
                 f"{d.itl_ms.get(1, float('nan')):.1f} | "
-                + " | ".join(f"{d.tok_s[c]:.0f}" for c in concurrencies)
+                + " | ".join(f"{d.tok_s.get(c, float('nan')):.0f}" for c in concurrencies)
                 + " |"
             )
     lines.append("")
@@ -199,7 +213,7 @@ def format_report(
 def _verdicts(starts: list[StartResult], decodes: list[DecodeResult]) -> list[str]:
     out = []
     for s in starts:
-        if s.label.endswith("Q4_0"):
+        if "Q4_0" in s.label:
             out.append(
                 f"Targets, {s.label}: first start {s.first_load_s:.1f} s "
                 f"(target <= {TARGET_FIRST_START_S:.0f} s: "
@@ -209,7 +223,7 @@ def _verdicts(starts: list[StartResult], decodes: list[DecodeResult]) -> list[st
                 f"process {s.cached_process_s:.1f} s).  "
             )
     for d in decodes:
-        if d.label.endswith("Q4_0") and 1 in d.itl_ms:
+        if "Q4_0" in d.label and 1 in d.itl_ms:
             out.append(
                 f"Targets, {d.label}: 1-stream inter-token {d.itl_ms[1]:.1f} ms (target <= "
                 f"{TARGET_ITL_MS:.0f} ms: {'met' if d.itl_ms[1] <= TARGET_ITL_MS else 'missed'})"
@@ -244,12 +258,15 @@ def run_bigmodel_bench(
     if with_default:
         default = default_model_path()
         starts.append(measure_starts("SmolLM2-135M (default)", None, default.stat().st_size))
-    for quant_type, path in paths.items():
-        starts.append(measure_starts(f"1B-shaped {quant_type}", str(path), path.stat().st_size))
+    # (label, file, --quantization): the Q4_0 file with int8 weights and with its blocks kept
+    runs = [(f"1B-shaped {q}, int8", path, "auto") for q, path in paths.items()]
+    runs += [(f"1B-shaped {q}, q4", path, "q4") for q, path in paths.items() if q == "Q4_0"]
+    for label, path, quantization in runs:
+        starts.append(measure_starts(label, str(path), path.stat().st_size, quantization))
         print(f"  start {starts[-1]}", flush=True)
     decodes = [
-        measure_decode(f"1B-shaped {q}", path, concurrencies, output_len)
-        for q, path in paths.items()
+        measure_decode(label, path, concurrencies, output_len, quantization)
+        for label, path, quantization in runs
     ]
     raw = {
         "bandwidth_bytes_s": bandwidth,
@@ -259,12 +276,12 @@ def run_bigmodel_bench(
     return format_report(bandwidth, starts, decodes, output_len), raw
 
 
-def _start_main(model: str) -> int:
+def _start_main(model: str, quantization: str) -> int:
     """One timed load (see `timed_start`): prints its figures as JSON."""
     from kvserve.config import DeviceConfig
     from kvserve.model.loader import load_model
 
-    loaded = load_model(model or None, DeviceConfig(device="cpu"))
+    loaded = load_model(model or None, DeviceConfig(device="cpu", quantization=quantization))
     print(json.dumps({"load_seconds": loaded.load_seconds, "weight_cache": loaded.weight_cache}))
     return 0
 
@@ -272,13 +289,14 @@ def _start_main(model: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--start", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--quantization", default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--types", default="Q8_0,Q4_0")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--no-default", action="store_true", help="skip the default's starts")
     args = parser.parse_args(argv)
     if args.start is not None:
-        return _start_main(args.start)
+        return _start_main(args.start, args.quantization)
     text, _ = run_bigmodel_bench(
         tuple(args.types.split(",")),
         tuple(int(c) for c in args.concurrency.split(",")),
