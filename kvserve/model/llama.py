@@ -489,13 +489,7 @@ class LlamaModel:
                 eps=eps,
                 scale=self.scale,
                 dtype=dtype,
-                positions=meta.positions,
-                cos_half=self.rope_cos_half,
-                sin_half=self.rope_sin_half,
-                slots=meta.slot_mapping,
-                tables=meta.chunk_tables,
-                row_tables=meta.row_tables,
-                lengths=meta.row_lengths,
+                **self._driver_step(meta),
             )
             return self._int8_logits(x[meta.logits_indices])
         q, s = native.add_rmsnorm_q8(x, None, None, None, eps)
@@ -515,6 +509,19 @@ class LlamaModel:
 
         return self._int8_logits(x[meta.logits_indices])
 
+    def _driver_step(self, meta: AttentionMetadata) -> dict[str, torch.Tensor]:
+        """What the one-call layer drivers read of a step: positions and RoPE tables, cache
+        slots and block tables, each row's table and length."""
+        return {
+            "positions": meta.positions,
+            "cos_half": self.rope_cos_half,
+            "sin_half": self.rope_sin_half,
+            "slots": meta.slot_mapping,
+            "tables": meta.chunk_tables,
+            "row_tables": meta.row_tables,
+            "lengths": meta.row_lengths,
+        }
+
     def _forward_q4(
         self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
@@ -529,13 +536,7 @@ class LlamaModel:
             config=self.config,
             scale=self.scale,
             dtype=self.dtype,
-            positions=meta.positions,
-            cos_half=self.rope_cos_half,
-            sin_half=self.rope_sin_half,
-            slots=meta.slot_mapping,
-            tables=meta.chunk_tables,
-            row_tables=meta.row_tables,
-            lengths=meta.row_lengths,
+            **self._driver_step(meta),
         )
         x = x[meta.logits_indices]
         rotated = native.rotate_rows(x, self.q4.rotation) if x.shape[0] else x

@@ -43,7 +43,7 @@ SOURCES = [
     CSRC / "forward_q4.c",
     CSRC / "bitmask.c",
 ]
-HEADER = CSRC / "common.h"
+HEADERS = [CSRC / "common.h", CSRC / "kernels.h"]
 # -fno-math-errno / -fno-trapping-math (not -ffast-math: no reassociation, NaN and infinity keep
 # their meaning) let loops with floorf and comparisons vectorize.
 FLAGS = [
@@ -82,7 +82,7 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: CPU attention uses the slower pure-torch path")
         return None
-    source = b"".join(path.read_bytes() for path in [*SOURCES, HEADER])
+    source = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
     digest = hashlib.sha256(
         source + " ".join(FLAGS).encode() + _cpu_key().encode() + platform.machine().encode()
     ).hexdigest()[:16]
@@ -741,6 +741,64 @@ def int8_layer_table(layers) -> ctypes.Array:
     return table
 
 
+def check_driver_step(
+    rows: int,
+    num_layers: int,
+    kv: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    dtype: torch.dtype,
+    kv_heads: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    cos_half: torch.Tensor,
+    sin_half: torch.Tensor,
+    slots: torch.Tensor,
+    tables: torch.Tensor,
+    row_tables: torch.Tensor,
+    lengths: torch.Tensor,
+) -> tuple[int, int, ctypes.Array, ctypes.Array | None] | None:
+    """Check what a one-call layer driver (forward_int8.c, forward_q4.c) is handed for a step
+    of `rows` rows, and point at each layer's cache: (num_blocks, block_size, the layers' cache
+    pointers, their scale pointers or None). None when there are no rows (nothing to run)."""
+    _require(dtype in FLOAT_DTYPES, f"no layer driver for {dtype}")
+    _tensor(
+        kv,
+        "kv cache",
+        6,
+        (dtype, torch.int8),
+        shape=(num_layers, 2, kv_heads, None, None, head_dim),
+    )
+    _, _, _, num_blocks, block_size, _ = kv.shape
+    if kv_scales is not None:
+        _require(kv.dtype == torch.int8, "an int8 cache goes with its scales")
+        _tensor(kv_scales, "kv scales", 5, (torch.float32,), shape=tuple(kv.shape[:5]))
+    else:
+        _require(kv.dtype == dtype, "the cache must be in the model's dtype")
+    for vector, name in (
+        (positions, "positions"),
+        (slots, "slots"),
+        (row_tables, "row tables"),
+        (lengths, "lengths"),
+    ):
+        _rows_vector(vector, name, rows)
+    _tensor(tables, "block tables", 2, (torch.int64,))
+    for half, name in ((cos_half, "cos table"), (sin_half, "sin table")):
+        _tensor(half, name, 2, (torch.float32,), shape=(None, head_dim // 2))
+    if rows == 0:
+        return None
+
+    def per_layer(t: torch.Tensor) -> ctypes.Array:
+        step = t.stride(0) * t.element_size()
+        return (ctypes.c_void_p * num_layers)(*(t.data_ptr() + i * step for i in range(num_layers)))
+
+    return (
+        num_blocks,
+        block_size,
+        per_layer(kv),
+        None if kv_scales is None else per_layer(kv_scales),
+    )
+
+
 def forward_int8(
     x: torch.Tensor,
     table: ctypes.Array,
@@ -771,42 +829,13 @@ def forward_int8(
     num_layers = len(table)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     _require(num_layers > 0 and table[0].o.n == hidden, "the layer table does not fit x")
-    _require(dtype in FLOAT_DTYPES, f"no int8 forward for {dtype}")
-    _tensor(
-        kv,
-        "kv cache",
-        6,
-        (dtype, torch.int8),
-        shape=(num_layers, 2, kv_heads, None, None, head_dim),
-    )
-    _, _, _, num_blocks, block_size, _ = kv.shape
-    if kv_scales is not None:
-        _require(kv.dtype == torch.int8, "an int8 cache goes with its scales")
-        _tensor(kv_scales, "kv scales", 5, (torch.float32,), shape=tuple(kv.shape[:5]))
-    else:
-        _require(kv.dtype == dtype, "the cache must be in the model's dtype")
-    for vector, name in (
-        (positions, "positions"),
-        (slots, "slots"),
-        (row_tables, "row tables"),
-        (lengths, "lengths"),
-    ):
-        _rows_vector(vector, name, rows)
-    _tensor(tables, "block tables", 2, (torch.int64,))
-    for half, name in ((cos_half, "cos table"), (sin_half, "sin table")):
-        _tensor(half, name, 2, (torch.float32,), shape=(None, head_dim // 2))
-    if rows == 0:
+    step = check_driver_step(
+        rows, num_layers, kv, kv_scales, dtype, kv_heads, head_dim,
+        positions, cos_half, sin_half, slots, tables, row_tables, lengths,
+    )  # fmt: skip
+    if step is None:
         return
-    layer_bytes = kv.stride(0) * kv.element_size()
-    kv_pointers = (ctypes.c_void_p * num_layers)(
-        *(kv.data_ptr() + i * layer_bytes for i in range(num_layers))
-    )
-    scale_pointers = None
-    if kv_scales is not None:
-        scale_bytes = kv_scales.stride(0) * kv_scales.element_size()
-        scale_pointers = (ctypes.c_void_p * num_layers)(
-            *(kv_scales.data_ptr() + i * scale_bytes for i in range(num_layers))
-        )
+    num_blocks, block_size, kv_pointers, scale_pointers = step
     q8 = torch.empty(rows * max(hidden, q_size, intermediate), dtype=torch.int8)
     scales = torch.empty(2, rows, dtype=torch.float32)
     acc = torch.empty(rows * max(q_size + 2 * kv_size, 2 * intermediate, hidden), dtype=torch.int32)

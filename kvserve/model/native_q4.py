@@ -15,9 +15,9 @@ from kvserve.model.native import (
     FLOAT_DTYPES,
     _ptr,
     _require,
-    _rows_vector,
     _suffix,
     _tensor,
+    check_driver_step,
     library,
 )
 
@@ -280,42 +280,13 @@ def forward_q4(
     q_size, kv_size, intermediate = config.q_size, config.kv_size, config.intermediate_size
     num_layers = len(table)
     _require(num_layers > 0 and table[0].o.n == hidden, "the layer table does not fit x")
-    _require(dtype in FLOAT_DTYPES, f"no 4-bit forward for {dtype}")
-    _tensor(
-        kv,
-        "kv cache",
-        6,
-        (dtype, torch.int8),
-        shape=(num_layers, 2, kv_heads, None, None, head_dim),
-    )
-    _, _, _, num_blocks, block_size, _ = kv.shape
-    if kv_scales is not None:
-        _require(kv.dtype == torch.int8, "an int8 cache goes with its scales")
-        _tensor(kv_scales, "kv scales", 5, (torch.float32,), shape=tuple(kv.shape[:5]))
-    else:
-        _require(kv.dtype == dtype, "the cache must be in the model's dtype")
-    for vector, name in (
-        (positions, "positions"),
-        (slots, "slots"),
-        (row_tables, "row tables"),
-        (lengths, "lengths"),
-    ):
-        _rows_vector(vector, name, rows)
-    _tensor(tables, "block tables", 2, (torch.int64,))
-    for half, name in ((cos_half, "cos table"), (sin_half, "sin table")):
-        _tensor(half, name, 2, (torch.float32,), shape=(None, head_dim // 2))
-    if rows == 0:
+    step = check_driver_step(
+        rows, num_layers, kv, kv_scales, dtype, kv_heads, head_dim,
+        positions, cos_half, sin_half, slots, tables, row_tables, lengths,
+    )  # fmt: skip
+    if step is None:
         return
-    layer_bytes = kv.stride(0) * kv.element_size()
-    kv_pointers = (ctypes.c_void_p * num_layers)(
-        *(kv.data_ptr() + i * layer_bytes for i in range(num_layers))
-    )
-    scale_pointers = None
-    if kv_scales is not None:
-        scale_bytes = kv_scales.stride(0) * kv_scales.element_size()
-        scale_pointers = (ctypes.c_void_p * num_layers)(
-            *(kv_scales.data_ptr() + i * scale_bytes for i in range(num_layers))
-        )
+    num_blocks, block_size, kv_pointers, scale_pointers = step
     widest = max(hidden, q_size, intermediate)
     q8 = torch.empty(2 * rows * widest, dtype=torch.int8)
     block_scales = torch.empty(2, rows * widest // BLOCK, dtype=torch.float32)

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "common.h"
+#include "kernels.h"
 
 void kvserve_add_rmsnorm_q8(float *x, const int32_t *acc, const float *row_scales,
                             const float *col_scales, int8_t *q, float *scales, int64_t rows,
@@ -29,26 +30,6 @@ void kvserve_silu_mul_q8(const int32_t *acc, const float *row_scales, const floa
     void kvserve_dequantize_##SUFFIX(const int32_t *acc, const float *row_scales,                \
                                      const float *col_scales, const float *bias, T *out,          \
                                      int64_t rows, int64_t cols, int num_threads);                \
-    void kvserve_rope_store_##SUFFIX(T *qkv, const int64_t *positions, const float *cos_table,    \
-                                     const float *sin_table, const int64_t *slots, T *kv,         \
-                                     int64_t rows, int64_t heads, int64_t kv_heads,               \
-                                     int64_t head_dim, int64_t num_slots, int num_threads);       \
-    void kvserve_rope_store_q8_##SUFFIX(T *qkv, const int64_t *positions,                        \
-                                        const float *cos_table, const float *sin_table,           \
-                                        const int64_t *slots, int8_t *kv, float *scales,          \
-                                        int64_t rows, int64_t heads, int64_t kv_heads,            \
-                                        int64_t head_dim, int64_t num_slots, int num_threads);    \
-    int kvserve_paged_decode_##SUFFIX(                                                            \
-        const T *q, int64_t q_row_stride, const T *kv, const int64_t *block_tables,               \
-        int64_t table_width, const int64_t *row_tables, const int64_t *lengths, T *out,           \
-        int64_t out_row_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,        \
-        int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, int num_threads);  \
-    int kvserve_paged_decode_q8_##SUFFIX(                                                         \
-        const T *q, int64_t q_row_stride, const int8_t *kv, const float *scales,                  \
-        const int64_t *block_tables, int64_t table_width, const int64_t *row_tables,              \
-        const int64_t *lengths, T *out, int64_t out_row_stride, int64_t num_seqs,                 \
-        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,            \
-        int64_t block_size, float scale, int num_threads);                                        \
     void kvserve_quantize_rows_##SUFFIX(const T *x, int64_t rows, int64_t width,                 \
                                         int64_t row_stride, int8_t *q, float *scales,             \
                                         int num_threads);
@@ -78,24 +59,11 @@ typedef struct {
                     int64_t table_width, const int64_t *row_tables, const int64_t *lengths,       \
                     int64_t num_blocks, int64_t block_size, float scale, int8_t *q8,              \
                     float *s_out, int nt) {                                                       \
-        const int64_t width = w->n, q_size = heads * hd, slots_n = num_blocks * block_size;      \
+        const int64_t width = w->n, q_size = heads * hd;                                          \
         kvserve_dequantize_##SUFFIX(acc, s, w->scale, w->bias, qkv, rows, width, nt);             \
-        int status;                                                                               \
-        if (kv_scales) {                                                                          \
-            kvserve_rope_store_q8_##SUFFIX(qkv, positions, cos, sin, slots, (int8_t *)kv,         \
-                                           kv_scales, rows, heads, kv_heads, hd, slots_n, nt);    \
-            status = kvserve_paged_decode_q8_##SUFFIX(                                            \
-                qkv, width, (const int8_t *)kv, kv_scales, tables, table_width, row_tables,       \
-                lengths, attn, q_size, rows, heads, kv_heads, hd, num_blocks, block_size, scale,  \
-                nt);                                                                              \
-        } else {                                                                                  \
-            kvserve_rope_store_##SUFFIX(qkv, positions, cos, sin, slots, (T *)kv, rows, heads,    \
-                                        kv_heads, hd, slots_n, nt);                               \
-            status = kvserve_paged_decode_##SUFFIX(qkv, width, (const T *)kv, tables,             \
-                                                   table_width, row_tables, lengths, attn,        \
-                                                   q_size, rows, heads, kv_heads, hd,             \
-                                                   num_blocks, block_size, scale, nt);            \
-        }                                                                                         \
+        const int status = kvserve_store_and_attend_##SUFFIX(                                    \
+            qkv, attn, kv, kv_scales, rows, heads, kv_heads, hd, positions, cos, sin, slots,      \
+            tables, table_width, row_tables, lengths, num_blocks, block_size, scale, nt);         \
         if (status != 0) return status;                                                           \
         kvserve_quantize_rows_##SUFFIX(attn, rows, q_size, q_size, q8, s_out, nt);                \
         return 0;                                                                                 \

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "common.h"
+#include "kernels.h"
 
 void kvserve_q4_gemm(const int8_t *a, const float *scales, const float *sums, int64_t rows,
                      int64_t k, const uint8_t *packed, int64_t n, int asym, float *c,
@@ -24,26 +25,6 @@ void kvserve_silu_mul_qb(const float *gate_up, int8_t *q, float *scales, float *
                          int64_t rows, int64_t width, int num_threads);
 
 #define DECLARE_TYPED(T, SUFFIX)                                                                   \
-    void kvserve_rope_store_##SUFFIX(T *qkv, const int64_t *positions, const float *cos_table,    \
-                                     const float *sin_table, const int64_t *slots, T *kv,         \
-                                     int64_t rows, int64_t heads, int64_t kv_heads,               \
-                                     int64_t head_dim, int64_t num_slots, int num_threads);       \
-    void kvserve_rope_store_q8_##SUFFIX(T *qkv, const int64_t *positions,                        \
-                                        const float *cos_table, const float *sin_table,           \
-                                        const int64_t *slots, int8_t *kv, float *scales,          \
-                                        int64_t rows, int64_t heads, int64_t kv_heads,            \
-                                        int64_t head_dim, int64_t num_slots, int num_threads);    \
-    int kvserve_paged_decode_##SUFFIX(                                                            \
-        const T *q, int64_t q_row_stride, const T *kv, const int64_t *block_tables,               \
-        int64_t table_width, const int64_t *row_tables, const int64_t *lengths, T *out,           \
-        int64_t out_row_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,        \
-        int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, int num_threads);  \
-    int kvserve_paged_decode_q8_##SUFFIX(                                                         \
-        const T *q, int64_t q_row_stride, const int8_t *kv, const float *scales,                  \
-        const int64_t *block_tables, int64_t table_width, const int64_t *row_tables,              \
-        const int64_t *lengths, T *out, int64_t out_row_stride, int64_t num_seqs,                 \
-        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,            \
-        int64_t block_size, float scale, int num_threads);                                        \
     void kvserve_quantize_blocks_##SUFFIX(const T *x, int64_t rows, int64_t width,               \
                                           int64_t row_stride, int8_t *q, float *scales,           \
                                           float *sums, int num_threads);
@@ -74,7 +55,7 @@ typedef struct {
                     int64_t table_width, const int64_t *row_tables, const int64_t *lengths,       \
                     int64_t num_blocks, int64_t block_size, float scale, int8_t *q8,              \
                     float *e, float *s, int nt) {                                                 \
-        const int64_t width = layer->qkv.n, q_size = heads * hd, slots_n = num_blocks * block_size; \
+        const int64_t width = layer->qkv.n, q_size = heads * hd;                                  \
         const float *bias = layer->qkv.bias, *norm = layer->qk_norm;                              \
         _Pragma("omp parallel for if (rows >= 8) num_threads(nt)")                                \
         for (int64_t r = 0; r < rows; r++) {                                                      \
@@ -94,22 +75,9 @@ typedef struct {
             T *qr = qkv + r * width;                                                              \
             _Pragma("omp simd") for (int64_t i = 0; i < width; i++) qr[i] = STORE(v[i]);          \
         }                                                                                         \
-        int status;                                                                               \
-        if (kv_scales) {                                                                          \
-            kvserve_rope_store_q8_##SUFFIX(qkv, positions, cos, sin, slots, (int8_t *)kv,         \
-                                           kv_scales, rows, heads, kv_heads, hd, slots_n, nt);    \
-            status = kvserve_paged_decode_q8_##SUFFIX(                                            \
-                qkv, width, (const int8_t *)kv, kv_scales, tables, table_width, row_tables,       \
-                lengths, attn, q_size, rows, heads, kv_heads, hd, num_blocks, block_size, scale,  \
-                nt);                                                                              \
-        } else {                                                                                  \
-            kvserve_rope_store_##SUFFIX(qkv, positions, cos, sin, slots, (T *)kv, rows, heads,    \
-                                        kv_heads, hd, slots_n, nt);                               \
-            status = kvserve_paged_decode_##SUFFIX(qkv, width, (const T *)kv, tables,             \
-                                                   table_width, row_tables, lengths, attn,        \
-                                                   q_size, rows, heads, kv_heads, hd,             \
-                                                   num_blocks, block_size, scale, nt);            \
-        }                                                                                         \
+        const int status = kvserve_store_and_attend_##SUFFIX(                                    \
+            qkv, attn, kv, kv_scales, rows, heads, kv_heads, hd, positions, cos, sin, slots,      \
+            tables, table_width, row_tables, lengths, num_blocks, block_size, scale, nt);         \
         if (status != 0) return status;                                                           \
         kvserve_quantize_blocks_##SUFFIX(attn, rows, q_size, q_size, q8, e, s, nt);               \
         return 0;                                                                                 \
