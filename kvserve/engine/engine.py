@@ -492,7 +492,9 @@ class Engine:
     def describe_precision(self) -> str:
         """One line: what the linear layers and the KV cache run in, and why."""
         model = self.loaded.model
-        linear = "int8" if model.quantization == "int8" else str(model.dtype).removeprefix("torch.")
+        linear = {"int8": "int8", "q4": "4-bit blocks (q4)"}.get(
+            model.quantization, str(model.dtype).removeprefix("torch.")
+        )
         cache = str(self.kv_cache.kv.dtype).removeprefix("torch.")
         return (
             f"precision: linear layers {linear} ({self.loaded.quantization_reason}); "
