@@ -259,3 +259,23 @@ def test_the_weight_cache_keeps_q4_weights(tiny_files, tmp_path):
     assert torch.equal(_prompt_logits(first.model, ids), _prompt_logits(second.model, ids))
     int8 = load_model(str(tiny_files["Q4_0"]), DeviceConfig(**options | {"quantization": "int8"}))
     assert int8.weight_cache == "written" and len(list(tmp_path.glob("*.safetensors"))) == 2
+
+
+def test_the_cli_takes_q4():
+    import argparse
+
+    from kvserve.cli import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--quantization", "q4"])
+    assert engine_config_from_args(args).device.quantization == "q4"
+
+
+@needs_kernels
+def test_auto_keeps_the_cache_in_the_model_dtype_beside_4_bit_weights(loaded_q4):
+    from kvserve.model.kv_cache import choose_cache_dtype
+
+    dtype, reason = choose_cache_dtype("auto", loaded_q4.model)
+    assert dtype == loaded_q4.model.dtype and "beside 4-bit weights" in reason
+    assert choose_cache_dtype("int8", loaded_q4.model) == (torch.int8, "asked for")
