@@ -30,7 +30,7 @@ from starlette.responses import Response
 from kvserve.config import ServerConfig
 from kvserve.engine.engine import Engine, EngineObserver
 from kvserve.engine.stream import Delta, Stream
-from kvserve.params import SamplingParams, SamplingParamsError
+from kvserve.params import SamplingParams
 from kvserve.request import EngineError, GenerationRequest, RequestCancelled
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError, ModelT, dumps, parse_request, refused_fields
@@ -45,7 +45,6 @@ __all__ = [
     "ServerState",
     "in_thread",
     "json_response",
-    "sampling_params",
 ]
 
 log = logging.getLogger("kvserve.server")
@@ -108,20 +107,6 @@ def json_response(
 async def in_thread(function: Callable[[], T]) -> T:
     """Run blocking work (tokenizing, templates) off the event loop."""
     return await asyncio.to_thread(function)
-
-
-def sampling_params(
-    vocab_size: int, param_names: Mapping[str, str], **fields: Any
-) -> SamplingParams:
-    """SamplingParams from `fields`, validated; an error names the field as the request spelled
-    it (`param_names` maps the engine's names to the dialect's)."""
-    try:
-        params = SamplingParams(**fields)
-        params.validate(vocab_size)
-    except SamplingParamsError as exc:
-        param = param_names.get(exc.param, exc.param)
-        raise APIError(400, exc.message.replace(exc.param, param, 1), param=param) from None
-    return params
 
 
 class Rendering(Protocol):

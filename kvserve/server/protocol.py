@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kvserve.params import SamplingParams, SamplingParamsError
 from kvserve.request import EngineError, Overloaded
 
 __all__ = [
@@ -271,3 +272,17 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"kvserve.server.dialects.{module}"), name)
+
+
+def validated_sampling_params(
+    vocab_size: int, param_names: Mapping[str, str], **fields: Any
+) -> SamplingParams:
+    """SamplingParams from `fields`, validated; an error names the field as the request spelled
+    it (`param_names` maps the engine's names to the dialect's)."""
+    try:
+        params = SamplingParams(**fields)
+        params.validate(vocab_size)
+    except SamplingParamsError as exc:
+        param = param_names.get(exc.param, exc.param)
+        raise APIError(400, exc.message.replace(exc.param, param, 1), param=param) from None
+    return params

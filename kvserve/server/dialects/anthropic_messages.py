@@ -24,7 +24,6 @@ from kvserve.engine.stream import Delta
 from kvserve.params import SamplingParams
 from kvserve.server import schemas
 from kvserve.server.core import ServerState, json_response
-from kvserve.server.core import sampling_params as core_sampling_params
 from kvserve.server.dialects.function_tools import (
     CallArguments,
     CallEnd,
@@ -37,7 +36,7 @@ from kvserve.server.dialects.function_tools import (
     parse_arguments,
     tool_plan,
 )
-from kvserve.server.protocol import APIError, _Model, dumps
+from kvserve.server.protocol import APIError, _Model, dumps, validated_sampling_params
 from kvserve.server.tools import ToolPlan, parser_for
 
 __all__ = [
@@ -279,7 +278,7 @@ def sampling_params(
 ) -> SamplingParams:
     """The request's SamplingParams, validated; errors name the Messages field. A forced tool
     call constrains the answer."""
-    return core_sampling_params(
+    return validated_sampling_params(
         vocab_size,
         _PARAM_NAMES,
         max_tokens=body.max_tokens,

@@ -32,7 +32,6 @@ from kvserve.engine.stream import Delta, Usage
 from kvserve.params import SamplingParams, StructuredOutput
 from kvserve.server import schemas
 from kvserve.server.core import ServerState
-from kvserve.server.core import sampling_params as core_sampling_params
 from kvserve.server.dialects.function_tools import (
     CallArguments,
     CallEnd,
@@ -44,7 +43,7 @@ from kvserve.server.dialects.function_tools import (
     openai_tools,
     tool_plan,
 )
-from kvserve.server.protocol import APIError, _Model, dumps
+from kvserve.server.protocol import APIError, _Model, dumps, validated_sampling_params
 from kvserve.server.structured import from_text_format
 from kvserve.server.tools import ToolPlan, parser_for
 
@@ -195,7 +194,7 @@ def sampling_params(
 ) -> SamplingParams:
     """The request's SamplingParams, validated; errors name the Responses field. `structured`
     is the answer's constraint (`text.format`, or a forced function call)."""
-    return core_sampling_params(
+    return validated_sampling_params(
         vocab_size,
         _PARAM_NAMES,
         max_tokens=body.max_output_tokens,
