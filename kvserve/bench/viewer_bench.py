@@ -84,12 +84,14 @@ def run_viewer_bench(
     url: str,
     *,
     concurrency: int = 32,
-    num_prompts: int = 32,
+    num_prompts: int = 64,
     input_len: int = 32,
-    output_len: int = 32,
-    pairs: int = 2,
+    output_len: int = 128,
+    pairs: int = 3,
 ) -> ViewerBench:
-    """Alternate `pairs` runs without and with one viewer against the server at `url`."""
+    """Alternate `pairs` runs without and with one viewer against the server at `url`. Runs of
+    about a second (32 requests of 32 tokens) moved by +-5% from run to run here; the defaults
+    make each run about 8 s (docs/benchmarks.md, the viewer's cost over a longer run)."""
     config = BenchConfig(
         url=url,
         concurrency=concurrency,
