@@ -120,6 +120,11 @@ class PrefixCache:
         """The hash `block_id` is published under as a full block, or None."""
         return self._hash_of.get(block_id)
 
+    def num_positions(self, block_id: int, block_size: int) -> int:
+        """Positions of a published block that hold KV: a tail's tokens, else the whole block."""
+        tail = self._tail_of.get(block_id)
+        return block_size if tail is None else len(tail[1])
+
     def is_published(self, block_id: int) -> bool:
         """Published as a full block or as a tail."""
         return block_id in self._hash_of or block_id in self._tail_of
