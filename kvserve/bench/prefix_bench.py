@@ -144,7 +144,10 @@ def multi_turn(
         engine = _engine(loaded, cache, conversations, kv_cache_dtype)
         await engine.start()
         try:
-            await _ask(engine, _tokens(loaded.tokenizer, user_len, rng), 4)  # warm-up
+            # Warm-up shaped like the first turn (every conversation at once): the process's
+            # first step of that many rows pays one-off costs the first turn must not carry.
+            warm = [_tokens(loaded.tokenizer, user_len, rng) for _ in range(conversations)]
+            await asyncio.gather(*(_ask(engine, ids, 4) for ids in warm))
 
             async def conversation(turn_ids):
                 history: list[int] = []

@@ -136,6 +136,18 @@ class BlockPool:
             return False
         return self._cache.publish(block_id, block_hash)
 
+    def publish_tail(self, block_id: int, parent: BlockHash, token_ids: Sequence[int]) -> bool:
+        """Publish a partly filled block its only owner is about to release (see
+        PrefixCache.publish_tail); False when not cached or another owner still holds it."""
+        if self._cache is None or self._refcounts[block_id] != 1:
+            return False
+        return self._cache.publish_tail(block_id, parent, token_ids)
+
+    def lookup_tail(self, parent: BlockHash, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        """(block, shared positions) of the best published tail under `parent`; None without a
+        cache or a match."""
+        return None if self._cache is None else self._cache.lookup_tail(parent, token_ids)
+
     def table(self, owner: str) -> tuple[int, ...]:
         """The owner's block table in allocation order; empty for an unknown owner."""
         return tuple(self._tables.get(owner, ()))

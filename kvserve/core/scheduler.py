@@ -15,6 +15,13 @@ blocks, capped so the last prompt token is computed (its logits are sampled). Re
 a reference; the reservation counts only the blocks still to fill. A full block is published
 only in `update_from_output`, after the step that wrote it has landed.
 
+A released sequence also publishes its partly filled last block (its tail: in a chat, the end
+of the answer the next turn resends). A prompt that continues past its full-block hits with
+some of a tail's tokens copies that block into its own next block (`StepPlan.copies`, before the
+next forward pass) and starts computing after the positions it shares. Until the step carrying
+the copy lands (or fails), the source block is held by a reference of its own
+(`copy_source_owner`), so no allocation can evict and overwrite it first.
+
 n > 1 (`Prompt.n`): one request, n sequences admitted all or nothing. The first (the leader)
 prefills; the others wait. The chunk that completes the prompt samples n tokens from its last
 row; then each follower takes the prompt's full blocks by reference and a copy of the partly
@@ -47,7 +54,7 @@ from dataclasses import dataclass, field
 from kvserve.config import SchedulerConfig
 from kvserve.core.blocks import BlockPool
 from kvserve.core.plan import BlockCopy, ChunkPlan, StepPlan
-from kvserve.core.prefix import BlockHash, block_hashes
+from kvserve.core.prefix import BlockHash, block_hashes, root_hash
 from kvserve.core.queue import AdmissionQueue, CapacitySignal, Outcome, Waiter
 
 
@@ -63,6 +70,21 @@ class Infeasible(ValueError):
         super().__init__(reason)
         self.param = param
         self.reason = reason
+
+
+def copy_source_owner(request_id: str) -> str:
+    """The pool owner holding a tail block `request_id` copies from, until the copy has run."""
+    return f"{request_id}:copy-source"
+
+
+@dataclass(frozen=True, slots=True)
+class _Hits:
+    """What a prompt takes from the prefix cache: whole blocks by reference, then perhaps the
+    first `tail_tokens` positions of a published tail (`tail_block`) by copy."""
+
+    block_ids: list[int]
+    tail_block: int | None = None
+    tail_tokens: int = 0
 
 
 def choice_id(request_id: str, index: int) -> str:
@@ -291,35 +313,57 @@ class Scheduler:
             return 0
         return self._pool.blocks_for(num_prompt_tokens + reserve)
 
-    def _prefix_hits(self, num_prompt_tokens: int, prompt: Prompt | None) -> list[int]:
-        """Cached blocks the prompt can reuse: whole blocks, leaving its last token to compute."""
+    def _prefix_hits(self, num_prompt_tokens: int, prompt: Prompt | None) -> _Hits:
+        """What the prompt can reuse: whole blocks, then some positions of a published tail,
+        always leaving its last token to compute."""
         if prompt is None or not prompt.reuse or len(prompt.token_ids) != num_prompt_tokens:
-            return []
+            return _Hits([])
         if self._pool.cache is None:
-            return []
-        max_blocks = (num_prompt_tokens - 1) // self._pool.block_size
-        token_ids = prompt.token_ids[: max_blocks * self._pool.block_size]
-        hashes = block_hashes(token_ids, self._pool.block_size, prompt.salt)
-        return self._pool.lookup(hashes)
+            return _Hits([])
+        block_size = self._pool.block_size
+        max_blocks = (num_prompt_tokens - 1) // block_size
+        token_ids = prompt.token_ids[: max_blocks * block_size]
+        hashes = block_hashes(token_ids, block_size, prompt.salt)
+        hits = self._pool.lookup(hashes)
+        if self.config.admission != "reserve":
+            # A tail is copied into the prompt's next block, which only a reservation holds
+            # at admission.
+            return _Hits(hits)
+        # The rest of the prompt's next block, short of its last token.
+        start = len(hits) * block_size
+        rest = prompt.token_ids[start : min(start + block_size, num_prompt_tokens - 1)]
+        parent = hashes[len(hits) - 1] if hits else root_hash(prompt.salt)
+        tail = self._pool.lookup_tail(parent, rest)
+        if tail is None or tail[1] == 0:
+            return _Hits(hits)
+        return _Hits(hits, tail[0], tail[1])
 
     def _admission_cost(
         self, num_prompt_tokens: int, reserve: int, prompt: Prompt | None
-    ) -> tuple[list[int], int, int]:
+    ) -> tuple[_Hits, int, int]:
         """(prefix hits, fresh blocks to allocate, blocks that must be available) for admission.
 
         Available blocks are free and cached-free ones, less the cached-free hits this very
-        admission takes back (they stop being evictable).
+        admission takes back (they stop being evictable), the tail it copies from included.
         """
         hits = self._prefix_hits(num_prompt_tokens, prompt)
         n = 1 if prompt is None else prompt.n
-        fresh = max(self._num_blocks_to_reserve(num_prompt_tokens, reserve) - len(hits), 0)
+        fresh = max(
+            self._num_blocks_to_reserve(num_prompt_tokens, reserve) - len(hits.block_ids), 0
+        )
         if n > 1:
             fresh += (n - 1) * self._follower_blocks(num_prompt_tokens, reserve)
         cache = self._pool.cache
         revived = sum(
-            1 for block_id in hits if cache is not None and cache.is_cached_free(block_id)
+            1 for block_id in hits.block_ids if cache is not None and cache.is_cached_free(block_id)
         )
-        return hits, fresh, fresh + revived
+        needed = fresh + revived
+        if hits.tail_block is not None and cache.is_cached_free(hits.tail_block):
+            if self._pool.num_free < needed + 1:
+                # Holding the tail would cost the block that admission needs: compute instead.
+                return _Hits(hits.block_ids), fresh, needed
+            needed += 1
+        return hits, fresh, needed
 
     def _follower_blocks(self, num_prompt_tokens: int, reserve: int) -> int:
         """Blocks a follower owns: all but the prompt's full blocks (taken by reference), or
@@ -361,10 +405,15 @@ class Scheduler:
             return None
         hits, _, _ = self._admission_cost(num_prompt_tokens, reserve, prompt)
         # Take the hits first: an allocation below may evict cached-free blocks, never these.
-        self._pool.share(request_id, hits)
-        own = max(self._num_blocks_to_reserve(num_prompt_tokens, reserve) - len(hits), 0)
+        self._pool.share(request_id, hits.block_ids)
+        if hits.tail_block is not None:
+            self._pool.share(copy_source_owner(request_id), [hits.tail_block])
+        own = max(self._num_blocks_to_reserve(num_prompt_tokens, reserve) - len(hits.block_ids), 0)
         if self._pool.allocate(request_id, own) is None:
             raise AssertionError("the pool refused an allocation can_admit allowed")
+        if hits.tail_block is not None:
+            target = self._pool.table(request_id)[len(hits.block_ids)]
+            self._pending_copies.append(BlockCopy(request_id, hits.tail_block, target))
         for seq_id in ids[1:]:
             if (
                 self._pool.allocate(seq_id, self._follower_blocks(num_prompt_tokens, reserve))
@@ -373,7 +422,7 @@ class Scheduler:
                 raise AssertionError("the pool refused an allocation can_admit allowed")
         token_ids = () if prompt is None else prompt.token_ids
         salt = None if prompt is None else prompt.salt
-        num_cached = len(hits) * self._pool.block_size
+        num_cached = len(hits.block_ids) * self._pool.block_size + hits.tail_tokens
         hashes: list[BlockHash] = []
         if self._pool.cache is not None and len(token_ids) == num_prompt_tokens:
             hashes = block_hashes(token_ids, self._pool.block_size, salt)
@@ -394,7 +443,7 @@ class Scheduler:
             if index == 0:
                 seq.num_computed = num_cached
                 seq.block_hashes = hashes
-                seq.num_published = len(hits)
+                seq.num_published = len(hits.block_ids)
                 seq.follower_ids = tuple(ids[1:])
             bisect.insort(self._running, seq, key=lambda s: (s.arrival, s.index))
             self._by_id[seq_id] = seq
@@ -539,6 +588,7 @@ class Scheduler:
                 if sampled is not None and seq_id in sampled:
                     target.output_token_ids.append(sampled[seq_id])
             self._publish(seq)
+        self._drop_copy_sources(plan)
         self._pending_step = None
 
     def abort(self, plan: StepPlan) -> None:
@@ -546,7 +596,13 @@ class Scheduler:
         releases every sequence the step touched (`plan.touched_ids`)."""
         if plan.step != self._pending_step:
             raise ValueError(f"step {plan.step} is not the pending step ({self._pending_step})")
+        self._drop_copy_sources(plan)
         self._pending_step = None
+
+    def _drop_copy_sources(self, plan: StepPlan) -> None:
+        """The step carrying the plan's copies is over: their tail sources may go back."""
+        for copy in plan.copies:
+            self._pool.release(copy_source_owner(copy.request_id))
 
     def _fork(self, leader: SeqState, follower: SeqState) -> None:
         """The leader's prompt is computed: the follower takes its full blocks by reference and
@@ -581,6 +637,20 @@ class Scheduler:
             self._pool.publish(table[index], seq.block_hashes[index])
         seq.num_published = num_full
 
+    def _publish_tail(self, seq: SeqState) -> None:
+        """Publish the partly filled last block of a sequence being released: the positions it
+        computed in steps that landed, after its last full block."""
+        if self._pool.cache is None or not seq.tokens_known or seq.awaits_fork:
+            return
+        block_size = self._pool.block_size
+        num_full, num_tail = divmod(seq.num_computed, block_size)
+        table = self._pool.table(seq.request_id)
+        if num_tail == 0 or len(table) <= num_full or len(seq.block_hashes) < num_full:
+            return
+        parent = seq.block_hashes[num_full - 1] if num_full else root_hash(seq.salt)
+        tokens = seq.all_token_ids[num_full * block_size : seq.num_computed]
+        self._pool.publish_tail(table[num_full], parent, tokens)
+
     def is_stuck(self, plan: StepPlan) -> bool:
         """Sequences are running but `plan` has no rows: nothing can progress or finish."""
         return bool(self._running) and plan.num_rows == 0
@@ -606,7 +676,10 @@ class Scheduler:
             index += 1
         del self._running[index]
         heapq.heappush(self._free_slots, seq.slot)
+        self._publish_tail(seq)
         self._pool.release(request_id)
+        # Released before the step carrying its tail copy was planned: the copy never runs.
+        self._pool.release(copy_source_owner(request_id))
         if not self._running:
             self._batch_open = True
         self._capacity.offer()

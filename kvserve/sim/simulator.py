@@ -632,7 +632,8 @@ def _frame(
     fill = [0] * pool.num_blocks
     cache = pool.cache
     for block_id in () if cache is None else cache.cached_free_ids():
-        fill[block_id] = block_size  # a cached block nobody holds keeps its KV
+        # A cached block nobody holds keeps its KV (a published tail, only its first positions).
+        fill[block_id] = cache.num_positions(block_id, block_size)
     for seq in scheduler.running:
         table = pool.table(seq.request_id)
         slots[seq.slot] = SlotView(
@@ -678,7 +679,7 @@ def _frame(
         stuck=stuck,
         block_refs=tuple(pool.refcount(block_id) for block_id in range(pool.num_blocks)),
         block_cached=tuple(
-            cache is not None and cache.hash_of(block_id) is not None
+            cache is not None and cache.is_published(block_id)
             for block_id in range(pool.num_blocks)
         ),
     )

@@ -56,14 +56,21 @@ def test_a_second_request_reuses_published_blocks_and_computes_the_rest() -> Non
     assert scheduler.pool.cache.num_cached == 2
     a_table = scheduler.pool.table("a")
     scheduler.release("a")
-    assert scheduler.pool.num_cached_free == 2
+    # Both full blocks, and the tail (positions 8, 9 of the third block: tokens 9, 10).
+    assert scheduler.pool.num_cached_free == 3
     seq = scheduler.admit("b", 10, 2, 1, Prompt(prompt))
-    assert seq.num_cached_tokens == 8 and seq.num_computed == 8
+    # Two blocks by reference, then one position of the tail by copy: the last prompt token
+    # is computed.
+    assert seq.num_cached_tokens == 9 and seq.num_computed == 9
     assert scheduler.pool.table("b")[:2] == a_table[:2]
-    assert scheduler.pool.num_cached_free == 0
+    assert scheduler.pool.num_cached_free == 0  # the tail is held until its copy has run
     plan = run(scheduler)
-    assert [(c.start, c.num_tokens) for c in plan.chunks] == [(8, 2)]
-    assert plan.chunks[0].token_ids == (9, 10)
+    assert [(c.source, c.target) for c in plan.copies] == [
+        (a_table[2], scheduler.pool.table("b")[2])
+    ]
+    assert [(c.start, c.num_tokens) for c in plan.chunks] == [(9, 1)]
+    assert plan.chunks[0].token_ids == (10,)
+    assert scheduler.pool.num_cached_free == 1  # the tail, back once the copy landed
     scheduler.release("b")
     assert scheduler.pool.check_whole()
 
@@ -89,7 +96,7 @@ def test_salts_never_share_and_no_prompt_means_no_lookup() -> None:
     assert scheduler.admit("b", 10, 1, 1, Prompt(prompt, salt="y")).num_cached_tokens == 0
     assert scheduler.admit("c", 10, 1, 2, Prompt(prompt)).num_cached_tokens == 0
     assert scheduler.admit("d", 10, 1, 3).num_cached_tokens == 0
-    assert scheduler.admit("e", 10, 1, 4, Prompt(prompt, salt="x")).num_cached_tokens == 8
+    assert scheduler.admit("e", 10, 1, 4, Prompt(prompt, salt="x")).num_cached_tokens == 9
 
 
 def test_reservation_counts_only_blocks_still_to_fill() -> None:
@@ -244,3 +251,105 @@ def test_any_mix_drains_to_a_whole_pool(specs, num_blocks, chunk) -> None:
     pool = scheduler.pool
     assert pool.check_whole() and pool.num_used == 0 and pool.num_free == num_blocks
     assert scheduler.num_free_slots == 4
+
+
+def test_a_chat_turn_reuses_the_previous_answer_up_to_its_last_token() -> None:
+    """Turn 2's prompt is turn 1's prompt, its answer and a new user turn: it takes every
+    position turn 1 computed (all but the last sampled token, which never had KV)."""
+    scheduler = make(num_blocks=16)
+    first = tuple(range(1, 9))  # 2 blocks
+    scheduler.admit("t1", 8, 3, 0, Prompt(first))
+    answer = []
+    for token in (41, 42, 43):
+        run(scheduler, token)
+        answer.append(token)
+    assert scheduler.get("t1").num_computed == 10  # 8 prompt + 2 answer tokens fed back
+    table = scheduler.pool.table("t1")
+    scheduler.release("t1")
+    second = first + tuple(answer) + (60, 61, 62)
+    seq = scheduler.admit("t2", len(second), 1, 1, Prompt(second))
+    assert seq.num_cached_tokens == 10
+    plan = run(scheduler)
+    assert [(c.source, c.target) for c in plan.copies] == [
+        (table[2], scheduler.pool.table("t2")[2])
+    ]
+    assert [(c.start, c.token_ids) for c in plan.chunks] == [(10, (43, 60, 61, 62))]
+    # A prompt that leaves the answer early takes only the positions it shares.
+    diverged = first + (41, 99, 98)
+    assert scheduler.admit("t3", 11, 1, 2, Prompt(diverged)).num_cached_tokens == 9
+    # A tail under another salt, or after other blocks, is never a match.
+    assert scheduler.admit("t4", 13, 1, 3, Prompt(second, salt="s")).num_cached_tokens == 0
+    scheduler.release("t2")
+    scheduler.release("t3")
+    scheduler.release("t4")
+    assert scheduler.pool.check_whole()
+
+
+def test_a_released_tail_is_published_only_from_landed_steps() -> None:
+    scheduler = make()
+    prompt = tuple(range(1, 11))
+    scheduler.admit("a", 10, 4, 0, Prompt(prompt, salt="s"))
+    run(scheduler)
+    plan = scheduler.schedule()  # a decode row that fails: position 10 never lands
+    scheduler.abort(plan)
+    scheduler.release("a")
+    seq = scheduler.admit("b", 12, 1, 1, Prompt((*prompt, 7, 5), salt="s"))
+    assert seq.num_cached_tokens == 10  # 2 blocks and the tail's 2 landed positions, not 11
+    scheduler.release("b")
+    assert scheduler.pool.check_whole()
+
+
+TOKENS = st.lists(st.integers(1, 3), min_size=1, max_size=14)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prompts=st.lists(
+        st.tuples(TOKENS, st.integers(1, 5), st.integers(0, 5)), min_size=1, max_size=8
+    ),
+    num_blocks=st.integers(6, 20),
+    chunk=st.sampled_from([2, 5, 64]),
+)
+def test_every_position_a_row_reads_holds_its_own_sequence_s_kv(prompts, num_blocks, chunk) -> None:
+    """A model-free oracle for reuse: the KV of position p "is" the tokens 0..p of the sequence
+    that wrote it. Copies and rows write it, rows read every earlier position, and a read must
+    find exactly its own sequence's tokens, whatever was shared, copied, evicted or cancelled."""
+    scheduler = make(num_blocks=num_blocks, slots=3, prefill_chunk=chunk)
+    kv: dict[tuple[int, int], tuple[int, ...]] = {}
+    history: list[int] = []  # a chat: every prompt continues the previous turn's tokens
+    pending = list(prompts)
+    step = 0
+    while pending or scheduler.running:
+        while pending:
+            extra, budget, cancel_after = pending[0]
+            prompt = (*history, *extra)[-40:]
+            if scheduler.pool.blocks_for(len(prompt) + budget) > num_blocks:
+                pending.pop(0)
+                continue
+            request_id = f"r{len(prompts) - len(pending)}"
+            if not scheduler.admit(request_id, len(prompt), budget, step, Prompt(prompt)):
+                break
+            pending.pop(0)
+            history = list(prompt)
+        plan = scheduler.schedule()
+        for copy in plan.copies:
+            for offset in range(BS):
+                if (copy.source, offset) in kv:
+                    kv[(copy.target, offset)] = kv[(copy.source, offset)]
+                else:
+                    kv.pop((copy.target, offset), None)
+        for c in plan.chunks:
+            tokens = scheduler.get(c.request_id).all_token_ids
+            for p in range(c.start, c.end):
+                kv[(c.block_ids[p // BS], p % BS)] = tuple(tokens[: p + 1])
+            for q in range(c.end):
+                assert kv.get((c.block_ids[q // BS], q % BS)) == tuple(tokens[: q + 1])
+        sampled = {s: 1 + (step + len(s)) % 3 for c in plan.chunks for s in c.sampler_ids}
+        scheduler.update_from_output(plan, sampled)
+        step += 1
+        for seq in scheduler.running:
+            if seq.has_reached_max_tokens or step % 7 == 6:
+                history = seq.all_token_ids
+                scheduler.release(seq.request_id)
+        assert scheduler.pool.check_whole()
+    assert scheduler.pool.num_used == 0 and scheduler.pool.check_whole()

@@ -97,7 +97,47 @@ def test_salts_never_share(loaded_fp32):
             cached.append(deltas[-1].usage.cached_tokens)
         return cached
 
-    assert run_engine(loaded_fp32, config, body) == [0, 0, 0, (len(ids) - 1) // BS * BS]
+    # The fourth takes every position the first computed (its whole prompt and the answer's
+    # fed-back tokens), capped so its own last token is computed.
+    assert run_engine(loaded_fp32, config, body) == [0, 0, 0, len(ids) - 1]
+
+
+def test_a_chat_turn_reuses_the_previous_prompt_and_answer_and_answers_as_without_cache(
+    loaded_fp32,
+):
+    """Each turn resends the history: the previous prompt, the answer generated for it and a
+    new user turn. The next turn takes every position the previous one computed (the answer's
+    full blocks by reference, its partly filled last block by copy): all but the last answer
+    token, which was sampled and never fed back. Its answers are the uncached ones."""
+    tok = loaded_fp32.tokenizer
+    users = [words(tok, 70, 12), words(tok, 30, 13), words(tok, 45, 14)]
+    answer_len = 40
+    config = make_config(slots=2, blocks=64, max_model_len=512)
+
+    def ask(ids):
+        return request(ids, max_tokens=answer_len, temperature=0, ignore_eos=True)
+
+    async def chat(engine):
+        history: list[int] = []
+        turns = []
+        for user in users:
+            history += user
+            deltas = await collect(engine.submit(ask(history)))
+            answer = tokens_of(deltas)
+            turns.append((len(history), answer, deltas[-1].usage.cached_tokens))
+            history += answer
+        assert engine.is_idle()
+        return turns
+
+    cached = run_engine(loaded_fp32, config, chat)
+    uncached = run_engine(loaded_fp32, without_cache(config), chat)
+    assert [answer for _, answer, _ in cached] == [answer for _, answer, _ in uncached]
+    assert [c for _, _, c in uncached] == [0, 0, 0]
+    num_prompt = [n for n, _, _ in cached]
+    # Turn k + 1 took turn k's prompt and all its answer tokens but the last.
+    assert [c for _, _, c in cached] == [0] + [n + answer_len - 1 for n in num_prompt[:-1]]
+    # Those end mid-block: the answer's full blocks and a copied tail.
+    assert all((n + answer_len - 1) % BS for n in num_prompt[:-1])
 
 
 def test_n_answers_prefill_once_and_each_is_its_own_requests_answer(loaded_fp32):
