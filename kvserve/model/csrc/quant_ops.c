@@ -181,18 +181,27 @@ DEFINE_DEQUANTIZE(kvserve_dequantize_bf16, uint16_t, float_to_bf16)
 
 /* out[r] = x[r] @ m for x: [rows][n], m: [n][n] float32, one row at a time in a fixed order, so
  * a row's result never depends on how many rows share the call (a library GEMM may pick
- * another kernel, and another summation order, for another row count). */
+ * another kernel, and another summation order, for another row count). With fewer rows than
+ * threads, each row's columns are split between the threads: every output still sums over k in
+ * the same order, and a single row (batch-1 decode) reads the matrix at every core's bandwidth
+ * (16 MiB for hidden 2048). */
 void kvserve_rotate_rows(const float *x, const float *m, float *out, int64_t rows, int64_t n,
                          int num_threads) {
-    _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")
-    for (int64_t r = 0; r < rows; r++) {
+    const int64_t parts = rows < num_threads ? (num_threads + rows - 1) / rows : 1;
+    const int64_t width = ((n + parts - 1) / parts + 15) / 16 * 16;
+    const int parallel = rows * parts > 1 && rows * n * n >= (1 << 16);
+    _Pragma("omp parallel for schedule(static) if (parallel) num_threads(num_threads)")
+    for (int64_t task = 0; task < rows * parts; task++) {
+        const int64_t r = task / parts, first = (task % parts) * width;
+        const int64_t last = first + width < n ? first + width : n;
+        if (first >= last) continue;
         const float *xr = x + r * n;
         float *orow = out + r * n;
-        memset(orow, 0, sizeof(float) * n);
+        memset(orow + first, 0, sizeof(float) * (last - first));
         for (int64_t k = 0; k < n; k++) {
             const float xk = xr[k];
             const float *mk = m + k * n;
-            _Pragma("omp simd") for (int64_t j = 0; j < n; j++) orow[j] += xk * mk[j];
+            _Pragma("omp simd") for (int64_t j = first; j < last; j++) orow[j] += xk * mk[j];
         }
     }
 }
