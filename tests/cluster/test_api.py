@@ -4,6 +4,8 @@ routes (health, ready, merged metrics, the replica header)."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -50,10 +52,20 @@ def model(client):
     return client.models.list().data[0].id
 
 
+def _wait_until_idle(cluster, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(replica["load"] for replica in cluster.replicas().values()):
+        assert time.monotonic() < deadline, f"the replicas stay loaded: {cluster.replicas()}"
+        time.sleep(0.05)
+
+
 def test_openai_client_streams_and_each_response_names_its_replica(client, model, cluster):
     replicas = set(cluster.replicas())
     seen = set()
     for index in range(4):
+        # Equal loads, so the choice is a tie taken in turn (a replica's load is what it last
+        # reported, twice a second: a report from its previous request can still be standing).
+        _wait_until_idle(cluster)
         raw = client.chat.completions.with_raw_response.create(
             model=model,
             # A system message of its own: with the template's default one, every prompt
