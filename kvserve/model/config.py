@@ -8,6 +8,14 @@ from dataclasses import dataclass
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
+def require_tensor(get, name: str):
+    """`get(name)` (a checkpoint's tensor by Hugging Face name), or ValueError when absent."""
+    tensor = get(name)
+    if tensor is None:
+        raise ValueError(f"checkpoint is missing tensor {name!r}")
+    return tensor
+
+
 class UnsupportedModelError(ValueError):
     """The checkpoint is of an architecture (or variant) this runtime does not implement."""
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kvserve.model import native, native_q4
 from kvserve.model.attention import AttentionMetadata, paged_attention
-from kvserve.model.config import ModelConfig
+from kvserve.model.config import ModelConfig, require_tensor
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.linear import Linear
 from kvserve.model.quant import Int8Weight, Int8Weights, quantize_model
@@ -197,10 +197,7 @@ class LlamaModel:
         from kvserve.model import quant4
 
         def need(name: str) -> torch.Tensor:
-            tensor = checkpoint.get(name)
-            if tensor is None:
-                raise ValueError(f"checkpoint is missing tensor {name!r}")
-            return tensor
+            return require_tensor(checkpoint.get, name)
 
         embed = need("model.embed_tokens.weight").to(dtype).contiguous()
         if progress:
@@ -241,10 +238,7 @@ class LlamaModel:
         """
 
         def need(name: str) -> torch.Tensor:
-            tensor = get(name)
-            if tensor is None:
-                raise ValueError(f"checkpoint is missing tensor {name!r}")
-            return tensor
+            return require_tensor(get, name)
 
         def place(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.to(device=device, dtype=dtype).contiguous()
@@ -539,14 +533,13 @@ class LlamaModel:
             **self._driver_step(meta),
         )
         x = x[meta.logits_indices]
-        rotated = native.rotate_rows(x, self.q4.rotation) if x.shape[0] else x
-        return self._quantized_logits(rotated, self.q4.head, unrotated=x)
+        return self._quantized_logits(
+            native.rotate_rows(x, self.q4.rotation), self.q4.head, unrotated=x
+        )
 
     def _int8_logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits of the rows x ([rows, hidden] float32, the rotated residual after the
         last layer)."""
-        if x.shape[0] == 0:
-            return self._quantized_logits(x, self.int8.head, x)
         return self._quantized_logits(x, self.int8.head, native.rotate_rows(x, self.int8.inverse))
 
     def _quantized_logits(

@@ -223,11 +223,11 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
         tokenizer = Tokenizer.from_gguf(path, fields=checkpoint.fields)
         name = DEFAULT_MODEL_NAME if path == default_model_path() else path.stem
     config = checkpoint.config
-    q4_unsupported = "not on the CPU" if device.type != "cpu" else None
-    if q4_unsupported is None and device_config.quantization == "q4":
+    q4_unsupported = None
+    if device_config.quantization == "q4":
         from kvserve.model import quant4
 
-        q4_unsupported = quant4.unsupported(checkpoint, config)
+        q4_unsupported = quant4.unsupported(checkpoint, config, device)
     quantization, reason = choose_quantization(
         device_config.quantization,
         checkpoint.quantization,

@@ -34,8 +34,6 @@ def declare(lib: ctypes.CDLL) -> None:
         "kvserve_q4_gemm": ([p, p, p, i64, i64, p, i64, i32, p, i32], None),
         "kvserve_quantize_blocks_f32": ([p, i64, i64, i64, p, p, p, i32], None),
         "kvserve_quantize_blocks_bf16": ([p, i64, i64, i64, p, p, p, i32], None),
-        "kvserve_add_rmsnorm_qb": ([p, p, p, p, p, p, i64, i64, f32, i32, i32], None),
-        "kvserve_silu_mul_qb": ([p, p, p, p, i64, i64, i32], None),
         "kvserve_forward_q4": (
             [
                 p,
@@ -111,36 +109,6 @@ def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
         q.data_ptr(),
         scales.data_ptr(),
         sums.data_ptr(),
-        torch.get_num_threads(),
-    )
-    return q, scales, sums
-
-
-def add_rmsnorm_blocks(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x += delta (in place, when given); returns the blocks (`quantize_blocks`) of
-    rmsnorm(x) * weight.
-    x, delta: [rows, hidden] float32 contiguous; weight: [hidden] float32."""
-    _tensor(x, "x", 2, (torch.float32,))
-    rows, hidden = x.shape
-    if delta is not None:
-        _tensor(delta, "delta", 2, (torch.float32,), shape=(rows, hidden))
-    _tensor(weight, "norm weight", 1, (torch.float32,), shape=(hidden,))
-    q, scales, sums = _blocks_out(rows, hidden)
-    if rows == 0:
-        return q, scales, sums
-    library().kvserve_add_rmsnorm_qb(
-        x.data_ptr(),
-        _ptr(delta),
-        weight.data_ptr(),
-        q.data_ptr(),
-        scales.data_ptr(),
-        sums.data_ptr(),
-        rows,
-        hidden,
-        eps,
-        1,
         torch.get_num_threads(),
     )
     return q, scales, sums

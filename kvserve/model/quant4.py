@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kvserve.model import native_q4
+from kvserve.model.config import require_tensor
 from kvserve.model.native_q4 import BLOCK, NIBBLE_BYTES, PANEL
 from kvserve.model.quant import Int8Weight, residual_rotation
 
@@ -135,10 +136,6 @@ class Q4Weight:
         )
 
     @property
-    def in_features(self) -> int:
-        return self.packed.shape[1] * BLOCK
-
-    @property
     def num_bytes(self) -> int:
         tensors = [self.packed, self.bias]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -239,10 +236,12 @@ _PROJECTIONS = {
 }
 
 
-def unsupported(checkpoint, config) -> str | None:
-    """Why the 4-bit path cannot run this checkpoint, or None when it can: every linear weight
-    of every layer must be Q4_0 or Q4_1 in a GGUF file, the widths whole blocks, and the CPU
-    must have AVX512-VNNI."""
+def unsupported(checkpoint, config, device: torch.device | None = None) -> str | None:
+    """Why the 4-bit path cannot run this checkpoint (on `device`), or None when it can: every
+    linear weight of every layer must be Q4_0 or Q4_1 in a GGUF file, the widths whole blocks,
+    and the device a CPU with AVX512-VNNI."""
+    if device is not None and device.type != "cpu":
+        return "not on the CPU"
     if not hasattr(checkpoint, "raw_rows"):
         return "the checkpoint is not a GGUF file"
     if not native_q4.q4_available():
@@ -270,10 +269,7 @@ def load_layers(checkpoint, config, progress=None) -> list[Q4Layer]:
     `unsupported`), packed for the kernel; the small float tensors (norms, biases) as float32."""
 
     def need(name: str) -> torch.Tensor:
-        tensor = checkpoint.get(name)
-        if tensor is None:
-            raise ValueError(f"checkpoint is missing tensor {name!r}")
-        return tensor.float().contiguous()
+        return require_tensor(checkpoint.get, name).float().contiguous()
 
     def weight(prefix: str, names: tuple[str, ...], bias: bool = False) -> Q4Weight:
         parts = [
