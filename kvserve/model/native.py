@@ -756,10 +756,11 @@ def check_driver_step(
     tables: torch.Tensor,
     row_tables: torch.Tensor,
     lengths: torch.Tensor,
-) -> tuple[int, int, ctypes.Array, ctypes.Array | None] | None:
+) -> tuple[ctypes.Array, ctypes.Array | None, tuple] | None:
     """Check what a one-call layer driver (forward_int8.c, forward_q4.c) is handed for a step
-    of `rows` rows, and point at each layer's cache: (num_blocks, block_size, the layers' cache
-    pointers, their scale pointers or None). None when there are no rows (nothing to run)."""
+    of `rows` rows: (each layer's cache pointer, their scale pointers or None, the step's
+    arguments in the drivers' order: positions, cos, sin, slots, tables and their width, row
+    tables, lengths, num_blocks, block_size). None when there are no rows (nothing to run)."""
     _require(dtype in FLOAT_DTYPES, f"no layer driver for {dtype}")
     _tensor(
         kv,
@@ -791,12 +792,15 @@ def check_driver_step(
         step = t.stride(0) * t.element_size()
         return (ctypes.c_void_p * num_layers)(*(t.data_ptr() + i * step for i in range(num_layers)))
 
-    return (
+    step_arguments = (
+        *(t.data_ptr() for t in (positions, cos_half, sin_half, slots, tables)),
+        tables.shape[1],
+        row_tables.data_ptr(),
+        lengths.data_ptr(),
         num_blocks,
         block_size,
-        per_layer(kv),
-        None if kv_scales is None else per_layer(kv_scales),
     )
+    return per_layer(kv), None if kv_scales is None else per_layer(kv_scales), step_arguments
 
 
 def forward_int8(
@@ -835,7 +839,7 @@ def forward_int8(
     )  # fmt: skip
     if step is None:
         return
-    num_blocks, block_size, kv_pointers, scale_pointers = step
+    kv_pointers, scale_pointers, step_arguments = step
     q8 = torch.empty(rows * max(hidden, q_size, intermediate), dtype=torch.int8)
     scales = torch.empty(2, rows, dtype=torch.float32)
     acc = torch.empty(rows * max(q_size + 2 * kv_size, 2 * intermediate, hidden), dtype=torch.int32)
@@ -855,16 +859,7 @@ def forward_int8(
         eps,
         scale,
         int(dtype == torch.bfloat16),
-        positions.data_ptr(),
-        cos_half.data_ptr(),
-        sin_half.data_ptr(),
-        slots.data_ptr(),
-        tables.data_ptr(),
-        tables.shape[1],
-        row_tables.data_ptr(),
-        lengths.data_ptr(),
-        num_blocks,
-        block_size,
+        *step_arguments,
         q8.data_ptr(),
         scales[0].data_ptr(),
         scales[1].data_ptr(),

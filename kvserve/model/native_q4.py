@@ -254,7 +254,7 @@ def forward_q4(
     )  # fmt: skip
     if step is None:
         return
-    num_blocks, block_size, kv_pointers, scale_pointers = step
+    kv_pointers, scale_pointers, step_arguments = step
     widest = max(hidden, q_size, intermediate)
     q8 = torch.empty(2 * rows * widest, dtype=torch.int8)
     block_scales = torch.empty(2, rows * widest // BLOCK, dtype=torch.float32)
@@ -276,16 +276,7 @@ def forward_q4(
         config.rms_norm_eps,
         scale,
         int(dtype == torch.bfloat16),
-        positions.data_ptr(),
-        cos_half.data_ptr(),
-        sin_half.data_ptr(),
-        slots.data_ptr(),
-        tables.data_ptr(),
-        tables.shape[1],
-        row_tables.data_ptr(),
-        lengths.data_ptr(),
-        num_blocks,
-        block_size,
+        *step_arguments,
         q8.data_ptr(),
         block_scales[0].data_ptr(),
         block_scales[1].data_ptr(),
