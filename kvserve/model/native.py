@@ -55,6 +55,8 @@ FLAGS = [
     "-shared",
     "-fPIC",
     "-std=c11",
+    # an intrinsic this compiler lacks fails the build here, not the library's load
+    "-Werror=implicit-function-declaration",
 ]
 
 
@@ -332,10 +334,18 @@ def paged_attention(
         scale,
         torch.get_num_threads(),
     )
+    check_attention_status(status, num_heads, num_kv_heads, head_dim)
+
+
+def check_attention_status(status: int, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Raise for a paged attention kernel's (or a layer driver's) nonzero status: -1, shapes
+    the kernel refuses; -2, working memory it could not allocate (csrc/kv_int8.c)."""
+    if status == -2:
+        raise MemoryError("the attention kernel could not allocate its working memory")
     if status != 0:
         raise ValueError(
-            f"paged attention kernel refused shapes: {num_heads} heads / {num_kv_heads} KV "
-            f"heads, head_dim {head_dim}"
+            f"paged attention kernel refused shapes: {heads} heads / {kv_heads} KV heads, "
+            f"head_dim {head_dim}"
         )
 
 
@@ -868,8 +878,4 @@ def forward_int8(
         attn.data_ptr(),
         torch.get_num_threads(),
     )
-    if status != 0:
-        raise ValueError(
-            f"paged attention kernel refused shapes: {heads} heads / {kv_heads} KV heads, "
-            f"head_dim {head_dim}"
-        )
+    check_attention_status(status, heads, kv_heads, head_dim)

@@ -17,6 +17,7 @@ from kvserve.model.native import (
     _require,
     _suffix,
     _tensor,
+    check_attention_status,
     check_driver_step,
     library,
 )
@@ -285,8 +286,4 @@ def forward_q4(
         attn.data_ptr(),
         torch.get_num_threads(),
     )
-    if status != 0:
-        raise ValueError(
-            f"paged attention kernel refused shapes: {heads} heads / {kv_heads} KV heads, "
-            f"head_dim {head_dim}"
-        )
+    check_attention_status(status, heads, kv_heads, head_dim)

@@ -89,6 +89,113 @@ def test_int8_paged_attention_matches_sdpa_on_the_dequantized_cache(dtype, head_
         assert error < 0.03, error
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("head_dim", "heads", "kv_heads", "block_size"),
+    # block sizes: the default, odd ones, and one past 256 (whose rows go one at a time)
+    [
+        (64, 9, 3, 32),
+        (64, 4, 4, 10),
+        (128, 8, 2, 16),
+        (64, 16, 1, 3),
+        (128, 6, 2, 33),
+        (64, 4, 2, 300),
+    ],
+)
+@pytest.mark.parametrize("sharpness", [1.0, 8.0])  # flat and peaked attention
+def test_int8_prefill_tiles_match_each_row_alone_and_sdpa(
+    dtype, head_dim, heads, kv_heads, block_size, sharpness
+):
+    """Rows of a prefill chunk on the int8 cache are worked on in tiles (kv_int8.c: scores and
+    values in VNNI instructions, the softmax weights as 16-bit integers), in the same arithmetic
+    as a row alone: every row equals, bit for bit, the same row computed by itself, and causal
+    attention over the dequantized cache, for chunks that start and end mid-block and span
+    several tiles, next to a decode row of another sequence."""
+    start, n = 45, 37
+    used = -(-(start + n) // block_size)
+    kv = torch.randint(
+        -127, 128, (2, kv_heads, used + 5, block_size, head_dim), dtype=torch.int8, generator=gen(4)
+    )
+    scales = torch.rand(2, kv_heads, used + 5, block_size, generator=gen(5)) / 40 + 1e-3
+    tables = torch.zeros(2, used, dtype=torch.long)
+    tables[0] = torch.randperm(used + 4, generator=gen(6))[:used]  # scattered, out of order
+    tables[1, 0] = used + 4
+    lengths = torch.cat([torch.arange(start + 1, start + n + 1), torch.tensor([9])])
+    row_tables = torch.tensor([0] * n + [1])
+    q = (torch.randn(n + 1, heads, head_dim, generator=gen(7)) * sharpness).to(dtype)
+    scale = head_dim**-0.5
+    out = torch.empty_like(q)
+    native.paged_attention(q, kv, tables, lengths, out, scale, row_tables, kv_scales=scales)
+
+    alone = torch.empty_like(q)
+    for i in range(n + 1):
+        table = tables[row_tables[i]][None]
+        native.paged_attention(
+            q[i : i + 1], kv, table, lengths[i : i + 1], alone[i : i + 1], scale, kv_scales=scales
+        )
+    assert torch.equal(out, alone)  # a row's result does not depend on its tile
+    if sharpness > 1:
+        return  # the query's own int8 rounding moves peaked scores past SDPA's tolerance
+
+    cache = dequantized(kv, scales)
+    group = heads // kv_heads
+    keys = cache[:, :, tables[0]].flatten(2, 3)[:, :, : start + n]
+    mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+    expect = F.scaled_dot_product_attention(
+        q[:n].float().transpose(0, 1),
+        keys[0].repeat_interleave(group, 0),
+        keys[1].repeat_interleave(group, 0),
+        attn_mask=mask,
+        scale=scale,
+    ).transpose(0, 1)
+    # the query is quantized per head too: scores carry ~1% error
+    error = (out[:n].float() - expect).abs().max() / expect.abs().max()
+    assert error < 0.03, error
+    other = cache[:, :, tables[1]].flatten(2, 3)[:, :, :9]
+    expect_last = F.scaled_dot_product_attention(
+        q[n].float()[:, None],
+        other[0].repeat_interleave(group, 0),
+        other[1].repeat_interleave(group, 0),
+        scale=scale,
+    )[:, 0]
+    assert (out[n].float() - expect_last).abs().max() / expect_last.abs().max() < 0.03
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_attention_does_not_depend_on_the_block_size(dtype):
+    """The same positions laid out in blocks of 32, 10, 3 and 300 give bit-identical attention,
+    for a prefill chunk of 40 rows after 600 positions (spans of 256 keys, tiles of 32 rows) and
+    a decode row."""
+    kv_heads, heads, head_dim, length = 2, 6, 64, 640
+    positions = torch.randint(
+        -127, 128, (2, kv_heads, length, head_dim), dtype=torch.int8, generator=gen(11)
+    )
+    position_scales = torch.rand(2, kv_heads, length, generator=gen(12)) / 40 + 1e-3
+    q = torch.randn(41, heads, head_dim, generator=gen(13)).to(dtype)
+    lengths = torch.cat([torch.arange(601, 641), torch.tensor([333])])
+    results = []
+    for block_size in (32, 10, 3, 300):
+        used = -(-length // block_size)
+        order = torch.randperm(used + 2, generator=gen(block_size))[:used]  # scattered blocks
+        kv = torch.zeros(2, kv_heads, used + 2, block_size, head_dim, dtype=torch.int8)
+        scales = torch.zeros(2, kv_heads, used + 2, block_size)
+        for position in range(length):
+            block, offset = order[position // block_size], position % block_size
+            kv[:, :, block, offset] = positions[:, :, position]
+            scales[:, :, block, offset] = position_scales[:, :, position]
+        tables = order[None].repeat(2, 1)
+        row_tables = torch.tensor([0] * 40 + [1])
+        out = torch.empty_like(q)
+        native.paged_attention(
+            q, kv, tables, lengths, out, head_dim**-0.5, row_tables, kv_scales=scales
+        )
+        results.append(out)
+    for other in results[1:]:
+        assert torch.equal(results[0], other)
+
+
 def test_int8_cache_holds_scales_and_counts_them():
     from kvserve.model.config import ModelConfig
 
