@@ -33,6 +33,7 @@ class PrefixBenchResult:
     cache: bool
     ttfts: tuple[float, ...]
     cached_tokens: int  # over every measured request
+    run_p50s: tuple[float, ...] = ()  # each repeat's own p50, where the workload was repeated
 
     @property
     def p50(self) -> float:
@@ -182,9 +183,12 @@ def run_prefix_bench(
     num_requests: int = 16,
     conversations: int = 8,
     turns: int = 10,
+    repeats: int = 3,
     kv_cache_dtype: str = "auto",
 ) -> list[PrefixBenchResult]:
-    """Both workloads, the cache on and off, one after the other in this process."""
+    """Both workloads, the cache on and off, one after the other in this process. The
+    multi-turn workload runs `repeats` times: its conversations move in step, so one run gives
+    one sample of each turn, and the times of all runs are pooled."""
     results = []
     for concurrency in concurrencies:
         for cache in (True, False):
@@ -199,10 +203,28 @@ def run_prefix_bench(
                 )
             )
     for cache in (True, False):
-        print(f"  multi-turn, cache {'on' if cache else 'off'}", flush=True)
-        results += multi_turn(
-            loaded, cache, conversations=conversations, turns=turns, kv_cache_dtype=kv_cache_dtype
-        )
+        print(f"  multi-turn, cache {'on' if cache else 'off'}, {repeats} runs", flush=True)
+        runs = [
+            multi_turn(
+                loaded,
+                cache,
+                conversations=conversations,
+                turns=turns,
+                kv_cache_dtype=kv_cache_dtype,
+                seed=seed,
+            )
+            for seed in range(repeats)
+        ]
+        for same in zip(*runs, strict=True):  # the first turn of each run, then the last
+            results.append(
+                PrefixBenchResult(
+                    same[0].workload,
+                    cache,
+                    tuple(t for r in same for t in r.ttfts),
+                    sum(r.cached_tokens for r in same),
+                    tuple(r.p50 for r in same),
+                )
+            )
     return results
 
 
@@ -230,8 +252,12 @@ def format_prefix_table(results: list[PrefixBenchResult]) -> str:
         key=lambda r: int(r.workload.rsplit(" ", 1)[1]),
     )
     if len(turns) == 2 and turns[0].p50 > 0:
+        each = ""
+        if len(turns[0].run_p50s) > 1:
+            ratios = (b / a for a, b in zip(turns[0].run_p50s, turns[1].run_p50s, strict=True))
+            each = f" (each run: {', '.join(f'{r:.2f}' for r in ratios)})"
         lines.append(
             f"multi-turn, cache on: TTFT p50 of {turns[1].workload.split(', ')[1]} / "
-            f"{turns[0].workload.split(', ')[1]} = {turns[1].p50 / turns[0].p50:.2f}.  "
+            f"{turns[0].workload.split(', ')[1]} = {turns[1].p50 / turns[0].p50:.2f}{each}.  "
         )
     return "\n".join(lines)

@@ -374,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
             f"Shared prefix: a 1,200-token system prompt, distinct 64-token user turns, 32 output "
             f"tokens, {args.prefix_requests} measured requests after one warm-up. Multi-turn: "
             f"{args.prefix_conversations} conversations of {args.prefix_turns} turns (64-token "
-            "user turns, 32-token answers), each turn resending the whole history.\n",
+            "user turns, 32-token answers), each turn resending the whole history; the "
+            "conversations move in step, so the workload runs 3 times and the times are "
+            "pooled.\n",
             format_prefix_table(prefix_results),
             "",
         ]
