@@ -176,6 +176,11 @@ def multi_turn(
     ]
 
 
+# The multi-turn workload's conversations move in step, so one run gives one sample of each
+# turn: it runs this many times, the times pooled.
+MULTI_TURN_RUNS = 3
+
+
 def run_prefix_bench(
     loaded: LoadedModel,
     concurrencies: tuple[int, ...] = (1, 8),
@@ -183,12 +188,11 @@ def run_prefix_bench(
     num_requests: int = 16,
     conversations: int = 8,
     turns: int = 10,
-    repeats: int = 3,
+    repeats: int = MULTI_TURN_RUNS,
     kv_cache_dtype: str = "auto",
 ) -> list[PrefixBenchResult]:
-    """Both workloads, the cache on and off, one after the other in this process. The
-    multi-turn workload runs `repeats` times: its conversations move in step, so one run gives
-    one sample of each turn, and the times of all runs are pooled."""
+    """Both workloads, the cache on and off, one after the other in this process; the
+    multi-turn workload `repeats` times, its times pooled."""
     results = []
     for concurrency in concurrencies:
         for cache in (True, False):

@@ -360,7 +360,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if "prefix" in sections:
         print("prefix cache benchmark...", flush=True)
-        from kvserve.bench.prefix_bench import format_prefix_table, run_prefix_bench
+        from kvserve.bench.prefix_bench import (
+            MULTI_TURN_RUNS,
+            format_prefix_table,
+            run_prefix_bench,
+        )
 
         prefix_results = run_prefix_bench(
             loaded,
@@ -375,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             f"tokens, {args.prefix_requests} measured requests after one warm-up. Multi-turn: "
             f"{args.prefix_conversations} conversations of {args.prefix_turns} turns (64-token "
             "user turns, 32-token answers), each turn resending the whole history; the "
-            "conversations move in step, so the workload runs 3 times and the times are "
-            "pooled.\n",
+            f"conversations move in step, so the workload runs {MULTI_TURN_RUNS} times and the "
+            "times are pooled.\n",
             format_prefix_table(prefix_results),
             "",
         ]

@@ -150,6 +150,9 @@ static inline float q8_tree16_lanes(__m512 a) {
     return t[0] + t[1];
 }
 
+/* A value row of zeros, for the missing second key of a sequence's last pair. */
+static const int8_t q8_zeros[128] = {0};
+
 /* Two value rows of 64 dimensions as 16-bit VNNI operands: out[c] holds, in its int32 lane
  * 4j + i, dimension 32 (c / 2) + 8j + 4 (c % 2) + i of rows r0 and r1 (low and high half). */
 static inline void q8_interleave2(const int8_t *r0, const int8_t *r1, __m512i out[4]) {
@@ -181,16 +184,29 @@ static inline void q8_slots(const int64_t *table, int64_t block_size, int64_t le
  * at or past `length` as zeros) interleaved for q8_values_span: [pair][hd / 16][64 bytes]. */
 static void q8_value_pairs(const int8_t *v_head, const int64_t *slots, int64_t hd,
                            int64_t length, int64_t first_pair, int64_t end_pair, int8_t *vt) {
-    static const int8_t zeros[128] = {0};
     for (int64_t m = first_pair; m < end_pair; m++)
         for (int64_t half = 0; half < hd / 64; half++) {
-            const int8_t *r0 = 2 * m < length ? v_head + slots[2 * m] * hd + half * 64 : zeros;
+            const int8_t *r0 = 2 * m < length ? v_head + slots[2 * m] * hd + half * 64 : q8_zeros;
             const int8_t *r1 =
-                2 * m + 1 < length ? v_head + slots[2 * m + 1] * hd + half * 64 : zeros;
+                2 * m + 1 < length ? v_head + slots[2 * m + 1] * hd + half * 64 : q8_zeros;
             __m512i x[4];
             q8_interleave2(r0, r1, x);
             for (int c = 0; c < 4; c++)
                 _mm512_storeu_si512(vt + ((m - first_pair) * (hd / 16) + half * 4 + c) * 64, x[c]);
+        }
+}
+
+/* sums[r][:] = fma(float(acc[r][:]), scale[r * scale_stride], sums[r][:]) for N rows of HD / 16
+ * integer accumulators (HD and N are constants): a span's integer sums into the float ones. */
+static inline __attribute__((always_inline)) void q8_flush_span(
+    const int HD, const int N, const __m512i *acc, const float *scale, int64_t scale_stride,
+    float *sums) {
+    for (int r = 0; r < N; r++)
+        for (int c = 0; c < HD / 16; c++) {
+            float *sum = sums + r * HD + c * 16;
+            _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r * HD / 16 + c]),
+                                                  _mm512_set1_ps(scale[r * scale_stride]),
+                                                  _mm512_loadu_ps(sum)));
         }
 }
 
@@ -214,12 +230,7 @@ static inline __attribute__((always_inline)) void q8_values_span(
                 acc[l * HD / 16 + c] = _mm512_dpwssd_epi32(acc[l * HD / 16 + c], pair, rows[c]);
         }
     }
-    for (int l = 0; l < STEP; l++)
-        for (int c = 0; c < HD / 16; c++) {
-            float *sum = sums + l * HD + c * 16;
-            _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[l * HD / 16 + c]),
-                                                  _mm512_set1_ps(scale[l]), _mm512_loadu_ps(sum)));
-        }
+    q8_flush_span(HD, STEP, acc, scale, 1, sums);
 }
 
 static inline void q8_values_span_hd(int64_t hd, const uint32_t *w, int64_t stride,
@@ -254,12 +265,11 @@ static inline __attribute__((always_inline)) void q8_row_values(
     const int HD, const int G, const int16_t *w, int64_t stride, const int8_t *v_head,
     const int64_t *slots, int64_t length, int64_t first, int64_t end, const float *scale,
     int64_t scale_stride, float *sums) {
-    static const int8_t zeros[128] = {0};
     __m512i acc[16];
     for (int i = 0; i < G * HD / 16; i++) acc[i] = _mm512_setzero_si512();
     for (int64_t m = first; m < end; m++) {
         const int8_t *r0 = v_head + slots[2 * m] * HD;
-        const int8_t *r1 = 2 * m + 1 < length ? v_head + slots[2 * m + 1] * HD : zeros;
+        const int8_t *r1 = 2 * m + 1 < length ? v_head + slots[2 * m + 1] * HD : q8_zeros;
         __m512i rows[8];
         for (int half = 0; half < HD / 64; half++)
             q8_interleave2(r0 + half * 64, r1 + half * 64, rows + 4 * half);
@@ -269,13 +279,7 @@ static inline __attribute__((always_inline)) void q8_row_values(
                 acc[g * HD / 16 + c] = _mm512_dpwssd_epi32(acc[g * HD / 16 + c], pair, rows[c]);
         }
     }
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < HD / 16; c++) {
-            float *sum = sums + g * HD + c * 16;
-            _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[g * HD / 16 + c]),
-                                                  _mm512_set1_ps(scale[g * scale_stride]),
-                                                  _mm512_loadu_ps(sum)));
-        }
+    q8_flush_span(HD, G, acc, scale, scale_stride, sums);
 }
 
 /* The G-head cases of q8_row_values, G a constant in each. */
@@ -492,8 +496,8 @@ static inline void q8_scores_tile(int64_t nv, const int32_t *qt, int64_t width, 
 static inline int64_t q8_tile_floats(int64_t rows, int64_t group, int64_t hd, int64_t longest) {
     const int64_t width = (rows * group + 15) / 16 * 16, pairs = (longest + 1) / 2;
     const int64_t spans = (longest + Q8_SPAN - 1) / Q8_SPAN;
-    return (hd / 4 + 6) * width + longest + longest * width + pairs * width + spans * width +
-           16 * width + Q8_SPAN / 2 * hd + width * hd + 2 * longest + 64;
+    return (hd / 4 + 5) * width + longest + longest * width + pairs * width + spans * width +
+           Q8_SPAN / 2 * hd + width * hd + 2 * longest + 64;
 }
 
 /*
@@ -522,8 +526,7 @@ static void q8_tile_task(const void *q, int bf16, int64_t q_row_stride, void *ou
     float *st = vs + longest;                       /* [longest][width] scores, then p */
     uint32_t *wp = (uint32_t *)(st + longest * width); /* [pairs][width] */
     float *span_scale = (float *)(wp + pairs * width); /* [spans][width] */
-    float *partial = span_scale + spans * width;    /* [16][width] */
-    int8_t *vt = (int8_t *)(partial + 16 * width);  /* [Q8_SPAN / 2][hd / 16][64] */
+    int8_t *vt = (int8_t *)(span_scale + spans * width); /* [Q8_SPAN / 2][hd / 16][64] */
     float *sums = (float *)(vt + Q8_SPAN / 2 * hd * 4); /* [width][hd] */
     int64_t *slots = (int64_t *)(sums + width * hd); /* [longest] */
 
