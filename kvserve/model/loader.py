@@ -103,8 +103,9 @@ def choose_quantization(
     `auto` picks int8 linear layers when the checkpoint is already quantized (its weights were
     rounded to 4-8 bits: int8 with a per-row scale loses nothing they still had, see
     docs/serving.md) and the CPU kernels run this model here. A float checkpoint keeps its
-    precision. Without AVX512-VNNI the int8 products go through torch._int_mm, still faster
-    than float on the CPU (docs/serving.md).
+    precision. Where kvserve's int8 product kernel does not run (no C compiler, a CPU without
+    the vector instructions it needs), `auto` keeps the float path: the library product left
+    then (torch._int_mm) is slower than float on such CPUs (docs/serving.md).
     """
     if requested == "q4" and q4_unsupported is not None:
         raise ValueError(f"--quantization q4 cannot run this model here: {q4_unsupported}")
@@ -123,9 +124,14 @@ def choose_quantization(
             f"not run it here ({device.type}, {str(dtype).removeprefix('torch.')}, "
             f"head_dim {config.head_dim})"
         )
-    product = "AVX512-VNNI" if native.int8_gemm_available() else "torch._int_mm (no AVX512-VNNI)"
+    if not native.int8_gemm_available():
+        return "none", (
+            f"auto: the checkpoint is quantized ({'/'.join(quantized)}) but kvserve's int8 "
+            "product kernel does not run on this CPU (torch._int_mm is slower than float here)"
+        )
     return "int8", (
-        f"auto: the checkpoint is quantized ({'/'.join(quantized)}); int8 products by {product}"
+        f"auto: the checkpoint is quantized ({'/'.join(quantized)}); int8 products by "
+        f"{native.int8_gemm_isa()}"
     )
 
 

@@ -624,10 +624,18 @@ def rotate_rows(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
 INT8_BLOCK_COLS = 64  # columns per packed weight panel (kvserve/model/csrc/int8_gemm.c)
 
 
-def int8_gemm_available() -> bool:
-    """Whether the packed int8 product was built (the CPU has AVX512-VNNI)."""
+INT8_GEMM_ISAS = {1: "AVX512-VNNI", 2: "AVX2"}  # kvserve_int8_gemm_available's answers
+
+
+def int8_gemm_isa() -> str | None:
+    """The instructions the packed int8 product was built with, or None: not built here."""
     lib = library()
-    return lib is not None and bool(lib.kvserve_int8_gemm_available())
+    return None if lib is None else INT8_GEMM_ISAS.get(lib.kvserve_int8_gemm_available())
+
+
+def int8_gemm_available() -> bool:
+    """Whether the packed int8 product was built (the CPU has AVX512-VNNI or AVX2)."""
+    return int8_gemm_isa() is not None
 
 
 def pack_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -651,9 +659,12 @@ def pack_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_gemm(
     q: torch.Tensor, panels: torch.Tensor, correction: torch.Tensor, n: int
 ) -> torch.Tensor:
-    """q [rows, k] int8 (contiguous) times the packed weight's transpose: [rows, n] int32."""
+    """q [rows, k] int8 (contiguous, values -127..127 as the quantizers give) times the packed
+    weight's transpose: [rows, n] int32."""
     _tensor(q, "q", 2, (torch.int8,))
     rows, k = q.shape
+    # The AVX2 product moves each weight's sign onto the row byte, which -128 cannot take.
+    _require(rows == 0 or int(q.min()) > -128, "int8 rows must lie in -127..127")
     blocks = -(-n // INT8_BLOCK_COLS)
     _tensor(panels, "panels", 4, (torch.int8,), shape=(blocks, k // 4, INT8_BLOCK_COLS, 4))
     _require(k % 4 == 0 and k > 0, f"the product's inner size {k} must be a positive multiple of 4")

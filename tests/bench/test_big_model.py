@@ -54,7 +54,7 @@ def test_the_1b_spec_is_llama_3_2_1b_shaped():
     assert (spec.num_kv_heads, spec.intermediate_size, spec.head_dim) == (8, 8192, 64)
 
 
-@pytest.mark.skipif(not native.int8_gemm_available(), reason="int8 needs AVX512-VNNI")
+@pytest.mark.skipif(not native.int8_gemm_available(), reason="int8 needs AVX512-VNNI or AVX2")
 def test_the_bench_measures_starts_and_decode_on_a_file(tmp_path):
     from kvserve.bench.bigmodel_bench import (
         block_bytes,

@@ -10,7 +10,7 @@ from kvserve.bench import quality
 from kvserve.model import device_thread, native
 
 needs_kernels = pytest.mark.skipif(
-    not native.int8_gemm_available(), reason="needs the C kernels and AVX512-VNNI"
+    not native.int8_gemm_available(), reason="needs the C kernels and AVX512-VNNI or AVX2"
 )
 
 

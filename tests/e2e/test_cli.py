@@ -16,6 +16,9 @@ import time
 import httpx
 import pytest
 
+from kvserve.model import native
+from kvserve.model.loader import cpu_has_bf16
+
 pytestmark = pytest.mark.slow
 
 API_KEY = "cli-test-key"
@@ -209,11 +212,14 @@ def test_serve_subprocess(stop_signal, int8):
         reply = httpx.post(url + "/v1/chat/completions", json=question, headers=headers, timeout=60)
         assert "Paris" in reply.json()["choices"][0]["message"]["content"]
         assert ("+ int8" in banner) == int8
+        # The CPU's own float dtype: bf16 where it multiplies bf16 natively, else float32.
+        dtype = "bfloat16" if cpu_has_bf16() else "float32"
         if int8:  # the banner says what auto chose, and why, in one line
             assert "precision: linear layers int8 (auto: the checkpoint is quantized" in banner
-            assert "KV cache int8 (auto:" in banner
+            cache = "int8" if native.kv_int8_available() else dtype
+            assert f"KV cache {cache} (auto:" in banner
         else:
-            assert "precision: linear layers bfloat16 (asked for); KV cache bfloat16" in banner
+            assert f"precision: linear layers {dtype} (asked for); KV cache {dtype}" in banner
 
         # A stream in flight when the signal arrives ends with an error event and [DONE].
         long = {**payload, "max_tokens": 500, "ignore_eos": True, "stream": True}

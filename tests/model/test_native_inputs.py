@@ -18,7 +18,9 @@ from tests.model.helpers import Chunk
 CPU = torch.device("cpu")
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 WIDTH = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-needs_vnni = pytest.mark.skipif(not native.int8_gemm_available(), reason="needs AVX512-VNNI")
+needs_int8_gemm = pytest.mark.skipif(
+    not native.int8_gemm_available(), reason="needs AVX512-VNNI or AVX2"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,7 +66,7 @@ def test_zero_rows_reach_no_kernel(dtype):
     assert native.topk_rows(torch.empty(0, 100), 8).shape == (0, 8)
 
 
-@needs_vnni
+@needs_int8_gemm
 def test_zero_rows_through_the_int8_product_and_the_int8_forward(loaded_int8):
     weight = torch.randint(-127, 128, (100, 64), dtype=torch.int8)
     panels, correction = native.pack_int8_weight(weight)

@@ -20,7 +20,7 @@ from tests.model.test_safetensors import save_tiny, tiny_config
 CPU = torch.device("cpu")
 
 needs_kernels = pytest.mark.skipif(
-    not native.int8_gemm_available(), reason="needs the C kernels and AVX512-VNNI"
+    not native.int8_gemm_available(), reason="needs the C kernels and AVX512-VNNI or AVX2"
 )
 
 TEXT = (
@@ -229,6 +229,29 @@ def test_int8_gemm_is_exact(rows, n, k):
 
 
 @needs_kernels
+def test_int8_gemm_is_exact_at_the_extremes():
+    """The largest products either kernel can meet: rows of +-127 against weights of -128 and
+    127 (the AVX2 product's 16-bit pair sums are closest to saturating there)."""
+    k, n = 256, 72
+    g = torch.Generator().manual_seed(1)
+    w = torch.where(torch.rand(n, k, generator=g) < 0.5, -128, 127).to(torch.int8)
+    w[0], w[1] = -128, 127
+    a = torch.where(torch.rand(3, k, generator=g) < 0.5, -127, 127).to(torch.int8)
+    a[0] = -127
+    panels, correction = native.pack_int8_weight(w)
+    assert torch.equal(native.int8_gemm(a, panels, correction, n).long(), a.long() @ w.long().t())
+
+
+@needs_kernels
+def test_int8_gemm_refuses_rows_holding_minus_128():
+    panels, correction = native.pack_int8_weight(torch.ones(64, 8, dtype=torch.int8))
+    rows = torch.zeros(2, 8, dtype=torch.int8)
+    rows[1, 3] = -128
+    with pytest.raises(native.KernelInputError, match="-127..127"):
+        native.int8_gemm(rows, panels, correction, 64)
+
+
+@needs_kernels
 def test_topk_rows():
     x = torch.randn(5, 1000)
     x[1, 500:510] = 10.0  # ties: the lower columns first
@@ -331,6 +354,22 @@ def test_auto_picks_int8_for_the_quantized_default_model(loaded_default):
     assert loaded_default.model.quantization == "int8"
     assert loaded_default.quantization_reason.startswith("auto: the checkpoint is quantized")
     assert "Q4_1" in loaded_default.quantization_reason
+    assert loaded_default.quantization_reason.endswith(f"int8 products by {native.int8_gemm_isa()}")
+
+
+def test_auto_keeps_the_float_path_where_the_int8_product_is_not_built(
+    loaded_default, monkeypatch
+):
+    """Without kvserve's int8 kernel only torch._int_mm is left, slower than float on such
+    CPUs (docs/serving.md): auto keeps the float path and says why."""
+    from kvserve.model.loader import choose_quantization
+
+    monkeypatch.setattr(native, "int8_gemm_isa", lambda: None)
+    choice, reason = choose_quantization(
+        "auto", ["F32", "Q4_1"], loaded_default.config, CPU, torch.float32
+    )
+    assert choice == "none"
+    assert "int8 product kernel does not run on this CPU" in reason and "Q4_1" in reason
 
 
 def test_auto_keeps_a_float_checkpoint_float(tmp_path):

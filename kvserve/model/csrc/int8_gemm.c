@@ -1,5 +1,5 @@
 /*
- * int8 x int8 -> int32 matrix product with AVX512-VNNI, for weights packed once at load:
+ * int8 x int8 -> int32 matrix product with AVX512-VNNI (or AVX2), for weights packed once at load:
  *
  *   c[m][n] = sum_k a[m][k] * w[n][k]      a: [rows][k] int8, c: [rows][n] int32
  *
@@ -19,6 +19,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#define KVSERVE_INT8_ISA 1
 
 #define NR 4
 #define BLOCK_COLS (NR * 16)
@@ -62,7 +63,95 @@ DEFINE_MICRO(4)
 DEFINE_MICRO(5)
 DEFINE_MICRO(6)
 
-int kvserve_int8_gemm_available(void) { return 1; }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define KVSERVE_INT8_ISA 2
+
+/*
+ * AVX2 (no VNNI): the same packed weights and the same exact int32 sums. vpmaddubsw multiplies
+ * unsigned by signed bytes into 16-bit pair sums, which would saturate for a + 128 (255 * 127 *
+ * 2 > 32767), so the weight enters as |w| and its sign moves onto the row byte: |w| * sign(w) a.
+ * With |a| <= 127 (the quantizers give -127..127; native.int8_gemm checks it) a pair sum is at
+ * most 2 * 128 * 127 < 32767, and vpmaddwd by ones widens pairs of pairs into the int32 sum of
+ * 4 k. No + 128 surplus: the correction is not used. A 32-byte chunk holds 4 k of 8 columns; a
+ * block of 64 columns goes in 4 passes of 2 chunks, so that up to 4 rows keep their 2 * MR
+ * accumulators and the pass's weights in the 16 registers.
+ */
+#define BLOCK_COLS 64
+#define PASS_CHUNKS 2
+#define PASS_COLS (8 * PASS_CHUNKS)
+
+#define DEFINE_MICRO(MR)                                                                           \
+    static inline void micro_##MR(const int8_t *a, int64_t lda, const int8_t *panel,             \
+                                  int64_t steps, const int32_t *correction, int32_t *c,           \
+                                  int64_t ldc, int64_t cols) {                                    \
+        (void)correction;                                                                         \
+        const __m256i ones = _mm256_set1_epi16(1);                                                \
+        for (int pass = 0; pass < BLOCK_COLS / PASS_COLS && PASS_COLS * pass < cols; pass++) {    \
+            __m256i acc[MR][PASS_CHUNKS];                                                         \
+            _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++)                                  \
+                _Pragma("GCC unroll 2") for (int j = 0; j < PASS_CHUNKS; j++) acc[i][j] =         \
+                    _mm256_setzero_si256();                                                       \
+            const int8_t *b = panel + 32 * PASS_CHUNKS * pass;                                    \
+            for (int64_t s = 0; s < steps; s++, b += BLOCK_COLS * 4) {                            \
+                __m256i w[PASS_CHUNKS], magnitude[PASS_CHUNKS];                                   \
+                _Pragma("GCC unroll 2") for (int j = 0; j < PASS_CHUNKS; j++) {                   \
+                    w[j] = _mm256_loadu_si256((const __m256i *)(b + 32 * j));                     \
+                    magnitude[j] = _mm256_abs_epi8(w[j]);                                         \
+                }                                                                                 \
+                _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++) {                            \
+                    int32_t four;                                                                 \
+                    memcpy(&four, a + i * lda + 4 * s, 4);                                        \
+                    const __m256i x = _mm256_set1_epi32(four);                                    \
+                    _Pragma("GCC unroll 2") for (int j = 0; j < PASS_CHUNKS; j++) {               \
+                        const __m256i pairs =                                                     \
+                            _mm256_maddubs_epi16(magnitude[j], _mm256_sign_epi8(x, w[j]));        \
+                        acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(pairs, ones));  \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            _Pragma("GCC unroll 2") for (int j = 0; j < PASS_CHUNKS; j++) {                       \
+                const int64_t first = PASS_COLS * pass + 8 * j, left = cols - first;              \
+                if (left <= 0) break;                                                             \
+                _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++) {                            \
+                    if (left >= 8) {                                                              \
+                        _mm256_storeu_si256((__m256i *)(c + i * ldc + first), acc[i][j]);         \
+                    } else {                                                                      \
+                        int32_t lanes[8];                                                         \
+                        _mm256_storeu_si256((__m256i *)lanes, acc[i][j]);                         \
+                        memcpy(c + i * ldc + first, lanes, (size_t)left * sizeof(int32_t));       \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+DEFINE_MICRO(1)
+DEFINE_MICRO(2)
+DEFINE_MICRO(3)
+DEFINE_MICRO(4)
+
+/* Five and six rows would not fit the registers: two calls. */
+static inline void micro_5(const int8_t *a, int64_t lda, const int8_t *panel, int64_t steps,
+                           const int32_t *correction, int32_t *c, int64_t ldc, int64_t cols) {
+    micro_3(a, lda, panel, steps, correction, c, ldc, cols);
+    micro_2(a + 3 * lda, lda, panel, steps, correction, c + 3 * ldc, ldc, cols);
+}
+
+static inline void micro_6(const int8_t *a, int64_t lda, const int8_t *panel, int64_t steps,
+                           const int32_t *correction, int32_t *c, int64_t ldc, int64_t cols) {
+    micro_3(a, lda, panel, steps, correction, c, ldc, cols);
+    micro_3(a + 3 * lda, lda, panel, steps, correction, c + 3 * ldc, ldc, cols);
+}
+
+#else
+#define KVSERVE_INT8_ISA 0
+#endif
+
+/* 1: AVX512-VNNI, 2: AVX2, 0: no kernel (the callers keep the float path). */
+int kvserve_int8_gemm_available(void) { return KVSERVE_INT8_ISA; }
+
+#if KVSERVE_INT8_ISA
 
 void kvserve_int8_gemm(const int8_t *a, int64_t rows, int64_t k, const int8_t *packed,
                        const int32_t *correction, int64_t n, int32_t *c, int num_threads) {
@@ -96,8 +185,6 @@ void kvserve_int8_gemm(const int8_t *a, int64_t rows, int64_t k, const int8_t *p
     }
 }
 #else
-int kvserve_int8_gemm_available(void) { return 0; }
-
 void kvserve_int8_gemm(const int8_t *a, int64_t rows, int64_t k, const int8_t *packed,
                        const int32_t *correction, int64_t n, int32_t *c, int num_threads) {
     (void)a, (void)rows, (void)k, (void)packed, (void)correction, (void)n, (void)c,

@@ -6,6 +6,7 @@
 #ifndef KVSERVE_KERNELS_H
 #define KVSERVE_KERNELS_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #define KVSERVE_DECLARE_ATTENTION(T, SUFFIX)                                                       \
