@@ -35,6 +35,7 @@ CONFIGURATIONS = [
     Configuration("q4-weights", "loaded_q4", "model", exact=False),
 ]
 
+
 def _kernels_missing(configuration: Configuration) -> str | None:
     """Why this CPU cannot run `configuration` (its C kernels were not built here), or None.
     int8 linear layers need AVX512-VNNI or AVX2; the int8 KV cache and 4-bit blocks need

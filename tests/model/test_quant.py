@@ -357,9 +357,7 @@ def test_auto_picks_int8_for_the_quantized_default_model(loaded_default):
     assert loaded_default.quantization_reason.endswith(f"int8 products by {native.int8_gemm_isa()}")
 
 
-def test_auto_keeps_the_float_path_where_the_int8_product_is_not_built(
-    loaded_default, monkeypatch
-):
+def test_auto_keeps_the_float_path_where_the_int8_product_is_not_built(loaded_default, monkeypatch):
     """Without kvserve's int8 kernel only torch._int_mm is left, slower than float on such
     CPUs (docs/serving.md): auto keeps the float path and says why."""
     from kvserve.model.loader import choose_quantization

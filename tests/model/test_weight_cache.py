@@ -24,7 +24,8 @@ from kvserve.model.loader import load_model
 from tests.model.helpers import Chunk, greedy_continuation
 
 pytestmark = pytest.mark.skipif(
-    not native.int8_gemm_available(), reason="int8 weights need the CPU kernels (AVX512-VNNI or AVX2)"
+    not native.int8_gemm_available(),
+    reason="int8 weights need the CPU kernels (AVX512-VNNI or AVX2)",
 )
 
 PROMPT = "The capital of France is"
