@@ -244,8 +244,6 @@ def unsupported(checkpoint, config, device: torch.device | None = None) -> str |
         return "not on the CPU"
     if not hasattr(checkpoint, "raw_rows"):
         return "the checkpoint is not a GGUF file"
-    if not native_q4.q4_available():
-        return "the CPU has no AVX512-VNNI (or no C compiler)"
     for width, name in (
         (config.hidden_size, "hidden size"),
         (config.q_size, "attention width"),
@@ -261,6 +259,9 @@ def unsupported(checkpoint, config, device: torch.device | None = None) -> str |
     }
     if not types <= FORMATS:
         return f"its layers' weights are {'/'.join(sorted(map(str, types)))}, not all Q4_0/Q4_1"
+    # The file's own reasons first: they hold on every machine.
+    if not native_q4.q4_available():
+        return "the CPU has no AVX512-VNNI (or no C compiler)"
     return None
 
 

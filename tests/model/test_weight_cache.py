@@ -20,7 +20,7 @@ from kvserve.model import llama as llama_module
 from kvserve.model import native, quant
 from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
-from kvserve.model.loader import load_model
+from kvserve.model.loader import cpu_has_bf16, load_model
 from tests.model.helpers import Chunk, greedy_continuation
 
 pytestmark = pytest.mark.skipif(
@@ -113,9 +113,10 @@ def test_the_cache_is_invalidated_when_the_preparation_changes(
     monkeypatch.setattr(quant, "PREPARATION_VERSION", quant.PREPARATION_VERSION + 1)
     assert load(tiny_files["Q8_0"], tmp_path).weight_cache == "written"
     assert len(preparations) == 2
-    # Options that shape the prepared tensors are part of the key too.
-    float32 = load(tiny_files["Q8_0"], tmp_path, dtype="float32", quantization="int8")
-    assert float32.weight_cache == "written"
+    # Options that shape the prepared tensors are part of the key too: a dtype other than the
+    # CPU's default (bf16 where it multiplies bf16 natively, else float32).
+    other = "float32" if cpu_has_bf16() else "bfloat16"
+    assert load(tiny_files["Q8_0"], tmp_path, dtype=other).weight_cache == "written"
     assert load(tiny_files["Q8_0"], tmp_path).weight_cache == "hit"
     assert len(preparations) == 3
 
