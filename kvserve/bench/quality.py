@@ -26,7 +26,7 @@ import torch
 
 from kvserve.config import DeviceConfig
 from kvserve.core.plan import ChunkPlan
-from kvserve.model import device_thread
+from kvserve.model import device_thread, native, native_q4
 from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.llama import LlamaModel
@@ -58,13 +58,28 @@ BF16 = QualityConfig("bf16", DeviceConfig(device="cpu", dtype="bfloat16", quanti
 INT8_LINEAR = QualityConfig(
     "int8 linear", DeviceConfig(device="cpu", dtype="bfloat16", quantization="int8")
 )
+# What `auto` gives on a CPU without native bf16 (AVX2: a float32 model, int8 products).
+INT8_LINEAR_F32 = QualityConfig(
+    "int8 linear, float32", DeviceConfig(device="cpu", dtype="float32", quantization="int8")
+)
 INT8_KV = QualityConfig("int8 KV cache", BF16.device, torch.int8)
 INT8_BOTH = QualityConfig("int8 linear + int8 KV cache", INT8_LINEAR.device, torch.int8)
 Q4_LINEAR = QualityConfig(
     "4-bit blocks", DeviceConfig(device="cpu", dtype="bfloat16", quantization="q4")
 )
 Q4_BOTH = QualityConfig("4-bit blocks + int8 KV cache", Q4_LINEAR.device, torch.int8)
-CONFIGS = (FLOAT32, BF16, INT8_LINEAR, INT8_KV, INT8_BOTH, Q4_LINEAR, Q4_BOTH)
+CONFIGS = (FLOAT32, BF16, INT8_LINEAR, INT8_LINEAR_F32, INT8_KV, INT8_BOTH, Q4_LINEAR, Q4_BOTH)
+
+
+def missing_kernels(config: QualityConfig) -> str | None:
+    """Why `config` cannot run on this CPU (its C kernels were not built here), or None."""
+    if config.kv_cache_dtype == torch.int8 and not native.kv_int8_available():
+        return "the int8 KV cache needs AVX512-VNNI"
+    if config.device.quantization == "int8" and not native.int8_gemm_available():
+        return "int8 linear layers need AVX512-VNNI or AVX2"
+    if config.device.quantization == "q4" and not native_q4.q4_available():
+        return "4-bit blocks need AVX512-VNNI"
+    return None
 
 
 def quality_text(topics: Sequence[str] = TOPICS) -> str:
@@ -206,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     machine = machine_line()
-    rows = measure_quality(CONFIGS, max_tokens=args.max_tokens, chunk_size=args.chunk_size)
+    runnable = [c for c in CONFIGS if missing_kernels(c) is None]
+    skipped = [f"{c.name} ({missing_kernels(c)})" for c in CONFIGS if c not in runnable]
+    rows = measure_quality(runnable, max_tokens=args.max_tokens, chunk_size=args.chunk_size)
     text = "\n".join(
         [
             f"\n## {stamp} — Quality, {DEFAULT_MODEL_NAME}\n",
@@ -219,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             format_quality_table(rows),
             "",
         ]
+        + ([f"Not run on this CPU: {'; '.join(skipped)}.\n"] if skipped else [])
     )
     print(text)
     if args.output:

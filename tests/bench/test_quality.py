@@ -68,3 +68,20 @@ def test_missing_reference_leaves_the_columns_empty(loaded_fp32):
     assert rows[0].agreement_pct is None and rows[0].vs_baseline_pct is None
     assert "| float32 |" in (table := quality.format_quality_table(rows))
     assert "| — | — |" in table
+
+
+def test_configurations_whose_kernels_are_missing_are_named_with_the_reason(monkeypatch):
+    """`make bench` on a CPU without VNNI runs what it can and says what it left out."""
+    monkeypatch.setattr(native, "kv_int8_available", lambda: False)
+    monkeypatch.setattr(native, "int8_gemm_isa", lambda: "AVX2")
+    monkeypatch.setattr(quality.native_q4, "q4_available", lambda: False)
+    reasons = {c.name: quality.missing_kernels(c) for c in quality.CONFIGS}
+    assert reasons["float32"] is None and reasons["bf16"] is None
+    assert reasons["int8 linear"] is None and reasons["int8 linear, float32"] is None
+    assert reasons["int8 KV cache"] == "the int8 KV cache needs AVX512-VNNI"
+    assert reasons["int8 linear + int8 KV cache"] == "the int8 KV cache needs AVX512-VNNI"
+    assert reasons["4-bit blocks"] == "4-bit blocks need AVX512-VNNI"
+    monkeypatch.setattr(native, "int8_gemm_isa", lambda: None)
+    assert quality.missing_kernels(quality.INT8_LINEAR) == (
+        "int8 linear layers need AVX512-VNNI or AVX2"
+    )
