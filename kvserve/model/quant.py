@@ -2,7 +2,9 @@
 
 With AVX512-VNNI an int8 matrix product runs about twice as fast as bf16, and a decode step,
 which reads every weight once, moves half the bytes. The product is a C kernel over weights
-packed at load (kvserve/model/csrc/int8_gemm.c); without VNNI, `torch._int_mm`. Each linear layer becomes
+packed at load (kvserve/model/csrc/int8_gemm.c; AVX512-VNNI, or AVX2 with the same exact sums);
+with neither, `torch._int_mm`, slower than float there (so `auto` does not pick int8). Each
+linear layer becomes
 
     y = (q_x @ q_w.T) * s_x[:, None] * s_w        (int32 accumulation, exact)
 
