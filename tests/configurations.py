@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvserve.model import native, native_q4
+from kvserve.model.loader import missing_kernels
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,11 @@ class Configuration:
     model_fixture: str  # a session fixture in tests/conftest.py
     kv_cache_dtype: str  # CacheConfig.kv_cache_dtype
     exact: bool  # a row's result does not depend on its batch mates (greedy answers comparable)
+
+    @property
+    def quantization(self) -> str:
+        """The --quantization its model fixture was loaded with."""
+        return {"loaded_int8": "int8", "loaded_q4": "q4"}.get(self.model_fixture, "none")
 
 
 # `--quantization q4` with the int8 KV cache is covered by the model tests
@@ -36,25 +41,12 @@ CONFIGURATIONS = [
 ]
 
 
-def _kernels_missing(configuration: Configuration) -> str | None:
-    """Why this CPU cannot run `configuration` (its C kernels were not built here), or None.
-    int8 linear layers need AVX512-VNNI or AVX2; the int8 KV cache and 4-bit blocks need
-    AVX512-VNNI."""
-    if configuration.kv_cache_dtype == "int8" and not native.kv_int8_available():
-        return "the int8 KV cache needs AVX512-VNNI"
-    if configuration.model_fixture == "loaded_int8" and not native.int8_gemm_available():
-        return "int8 linear layers need AVX512-VNNI or AVX2"
-    if configuration.model_fixture == "loaded_q4" and not native_q4.q4_available():
-        return "4-bit blocks need AVX512-VNNI"
-    return None
-
-
 def params() -> list:
     """`pytest.param` per configuration, those whose kernels this CPU lacks marked to skip,
     ids by name."""
     result = []
     for c in CONFIGURATIONS:
-        missing = _kernels_missing(c)
+        missing = missing_kernels(c.quantization, c.kv_cache_dtype == "int8")
         marks = [pytest.mark.skip(reason=missing)] if missing else []
         result.append(pytest.param(c, id=c.name, marks=marks))
     return result

@@ -26,7 +26,7 @@ import torch
 
 from kvserve.config import DeviceConfig
 from kvserve.core.plan import ChunkPlan
-from kvserve.model import device_thread, native, native_q4
+from kvserve.model import device_thread, loader
 from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.llama import LlamaModel
@@ -73,13 +73,7 @@ CONFIGS = (FLOAT32, BF16, INT8_LINEAR, INT8_LINEAR_F32, INT8_KV, INT8_BOTH, Q4_L
 
 def missing_kernels(config: QualityConfig) -> str | None:
     """Why `config` cannot run on this CPU (its C kernels were not built here), or None."""
-    if config.kv_cache_dtype == torch.int8 and not native.kv_int8_available():
-        return "the int8 KV cache needs AVX512-VNNI"
-    if config.device.quantization == "int8" and not native.int8_gemm_available():
-        return "int8 linear layers need AVX512-VNNI or AVX2"
-    if config.device.quantization == "q4" and not native_q4.q4_available():
-        return "4-bit blocks need AVX512-VNNI"
-    return None
+    return loader.missing_kernels(config.device.quantization, config.kv_cache_dtype == torch.int8)
 
 
 def quality_text(topics: Sequence[str] = TOPICS) -> str:

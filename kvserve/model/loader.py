@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from kvserve.config import DeviceConfig
-from kvserve.model import device_thread, native
+from kvserve.model import device_thread, native, native_q4
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaModel
 from kvserve.model.paths import DEFAULT_MODEL_NAME, default_model_path, resolve_model_path
@@ -133,6 +133,19 @@ def choose_quantization(
         f"auto: the checkpoint is quantized ({'/'.join(quantized)}); int8 products by "
         f"{native.int8_gemm_isa()}"
     )
+
+
+def missing_kernels(quantization: str, int8_kv_cache: bool) -> str | None:
+    """Why this CPU cannot run a configuration's C kernels (they were not built here), or None.
+    int8 linear layers need AVX512-VNNI or AVX2; the int8 KV cache and 4-bit blocks need
+    AVX512-VNNI."""
+    if int8_kv_cache and not native.kv_int8_available():
+        return "the int8 KV cache needs AVX512-VNNI"
+    if quantization == "int8" and not native.int8_gemm_available():
+        return "int8 linear layers need AVX512-VNNI or AVX2"
+    if quantization == "q4" and not native_q4.q4_available():
+        return "4-bit blocks need AVX512-VNNI"
+    return None
 
 
 def configure_threads(num_threads: int | None) -> int:

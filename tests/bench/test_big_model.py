@@ -54,8 +54,14 @@ def test_the_1b_spec_is_llama_3_2_1b_shaped():
     assert (spec.num_kv_heads, spec.intermediate_size, spec.head_dim) == (8, 8192, 64)
 
 
+@pytest.fixture(scope="module")
+def tiny_q4_0(tmp_path_factory):
+    """A tiny Q4_0 file, generated once for the bench tests below."""
+    return generate(TINY, ("Q4_0",), tmp_path_factory.mktemp("tiny"))["Q4_0"]
+
+
 @pytest.mark.skipif(not native.int8_gemm_available(), reason="int8 needs AVX512-VNNI or AVX2")
-def test_the_bench_measures_starts_and_decode_on_a_file(tmp_path):
+def test_the_bench_measures_starts_and_decode_on_a_file(tiny_q4_0):
     from kvserve.bench.bigmodel_bench import (
         block_bytes,
         format_report,
@@ -63,7 +69,7 @@ def test_the_bench_measures_starts_and_decode_on_a_file(tmp_path):
         measure_starts,
     )
 
-    path = generate(TINY, ("Q4_0",), tmp_path)["Q4_0"]
+    path = tiny_q4_0
     start = measure_starts("tiny Q4_0", str(path), path.stat().st_size)
     assert start.statuses == ("written", "hit")
     assert start.cached_process_s >= start.cached_load_s > 0
@@ -76,10 +82,10 @@ def test_the_bench_measures_starts_and_decode_on_a_file(tmp_path):
 
 
 @pytest.mark.skipif(not native_q4.q4_available(), reason="4-bit blocks need AVX512-VNNI")
-def test_the_bench_measures_a_file_with_its_4_bit_blocks_kept(tmp_path):
+def test_the_bench_measures_a_file_with_its_4_bit_blocks_kept(tiny_q4_0):
     from kvserve.bench.bigmodel_bench import format_report, measure_decode
 
-    path = generate(TINY, ("Q4_0",), tmp_path)["Q4_0"]
+    path = tiny_q4_0
     decode = measure_decode("tiny Q4_0", path, (1,), output_len=4)
     # the same file with its blocks kept (q4): fewer bytes read per step than int8's
     kept = measure_decode("tiny Q4_0, q4", path, (1,), output_len=4, quantization="q4")

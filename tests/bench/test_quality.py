@@ -7,7 +7,7 @@ import math
 import pytest
 
 from kvserve.bench import quality
-from kvserve.model import device_thread, native
+from kvserve.model import device_thread, native, native_q4
 
 needs_kernels = pytest.mark.skipif(
     not native.int8_gemm_available(), reason="needs the C kernels and AVX512-VNNI or AVX2"
@@ -74,7 +74,7 @@ def test_configurations_whose_kernels_are_missing_are_named_with_the_reason(monk
     """`make bench` on a CPU without VNNI runs what it can and says what it left out."""
     monkeypatch.setattr(native, "kv_int8_available", lambda: False)
     monkeypatch.setattr(native, "int8_gemm_isa", lambda: "AVX2")
-    monkeypatch.setattr(quality.native_q4, "q4_available", lambda: False)
+    monkeypatch.setattr(native_q4, "q4_available", lambda: False)
     reasons = {c.name: quality.missing_kernels(c) for c in quality.CONFIGS}
     assert reasons["float32"] is None and reasons["bf16"] is None
     assert reasons["int8 linear"] is None and reasons["int8 linear, float32"] is None
