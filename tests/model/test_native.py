@@ -133,6 +133,71 @@ def test_prefill_rows_share_a_table_and_are_causal_by_length(dtype, block_size):
     assert (out[n].float() - expect_last).abs().max() <= TOLERANCE[dtype]
 
 
+def laid_out(positions: torch.Tensor, block_size: int, seed: int):
+    """[2, kv_heads, length, head_dim] positions laid out in scattered blocks of `block_size`:
+    (the cache layer, the table)."""
+    _, kv_heads, length, head_dim = positions.shape
+    used = -(-length // block_size)
+    order = torch.randperm(used + 2, generator=gen(seed))[:used]
+    kv = torch.zeros(2, kv_heads, used + 2, block_size, head_dim, dtype=positions.dtype)
+    for position in range(length):
+        kv[:, :, order[position // block_size], position % block_size] = positions[:, :, position]
+    return kv, order
+
+
+@pytest.mark.parametrize(
+    "head_dim, heads, kv_heads", [(64, 9, 3), (128, 8, 2), (64, 16, 1), (128, 4, 4)]
+)
+@pytest.mark.parametrize("sharpness", [1.0, 8.0])  # flat and peaked attention
+def test_float32_rows_are_the_same_alone_in_a_tile_and_in_any_block_size(
+    head_dim, heads, kv_heads, sharpness
+):
+    """In float32 a row's attention is computed in one arithmetic whatever its company
+    (csrc/paged_attention.c): the rows of a prefill chunk, worked on in tiles, equal bit for bit
+    the same rows computed one at a time, and the same positions laid out in blocks of 32, 10, 3
+    and 300 give identical results; for a chunk that starts and ends mid-block after 600
+    positions and spans several tiles, next to a decode row of another sequence."""
+    start, n, length = 600, 37, 640
+    positions = torch.randn(2, kv_heads, length, head_dim, generator=gen(20))
+    q = torch.randn(n + 1, heads, head_dim, generator=gen(21)) * sharpness
+    lengths = torch.cat([torch.arange(start + 1, start + n + 1), torch.tensor([333])])
+    row_tables = torch.tensor([0] * n + [1])
+    scale = head_dim**-0.5
+    results = []
+    for block_size in (32, 10, 3, 300):
+        kv, order = laid_out(positions, block_size, block_size)
+        tables = order[None].repeat(2, 1)
+        out = torch.empty_like(q)
+        native.paged_attention(q, kv, tables, lengths, out, scale, row_tables)
+        alone = torch.empty_like(q)
+        for i in range(n + 1):
+            native.paged_attention(
+                q[i : i + 1], kv, order[None], lengths[i : i + 1], alone[i : i + 1], scale
+            )
+        assert torch.equal(out, alone)  # a row's result does not depend on its tile
+        results.append(out)
+    for other in results[1:]:
+        assert torch.equal(results[0], other)  # nor on the block size
+
+    group = heads // kv_heads
+    keys = positions[:, :, :length].repeat_interleave(group, 1)
+    mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+    expect = F.scaled_dot_product_attention(
+        q[:n].transpose(0, 1),
+        keys[0, :, : start + n],
+        keys[1, :, : start + n],
+        attn_mask=mask,
+        scale=scale,
+    ).transpose(0, 1)
+    # peaked scores are larger, and so is their rounding
+    tolerance = TOLERANCE[torch.float32] * sharpness
+    assert (results[0][:n] - expect).abs().max() <= tolerance
+    expect_last = F.scaled_dot_product_attention(
+        q[n][:, None], keys[0, :, :333], keys[1, :, :333], scale=scale
+    )[:, 0]
+    assert (results[0][n] - expect_last).abs().max() <= tolerance
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_forward_matches_plain_forward(loaded_fp32, loaded_bf16, dtype):
     loaded = loaded_fp32 if dtype == "float32" else loaded_bf16

@@ -1,14 +1,15 @@
 /*
- * Paged attention on the CPU, one query row at a time, reading K/V straight out of the paged
- * cache through the row's block table (no gather copy). A row attends to positions
- * 0 .. length-1 of its sequence: a decode row is one sequence's newest position; the rows of a
- * prefill chunk are several rows sharing one table (`row_tables` maps a row to its table) with
- * lengths start+1, start+2, ... so causality is just each row's length.
+ * Paged attention on the CPU, reading K/V straight out of the paged cache through each row's
+ * block table (no gather copy). A row attends to positions 0 .. length-1 of its sequence: a
+ * decode row is one sequence's newest position; the rows of a prefill chunk are several rows
+ * sharing one table (`row_tables` maps a row to its table) with lengths start+1, start+2, ...
+ * so causality is just each row's length.
  *
  * Cache layout of one layer: [2][kv_heads][num_blocks][block_size][head_dim] (K then V), so the
  * positions of one head inside a block are contiguous. The `group` query heads that share a KV
- * head are handled together: each K/V row is read and converted once per (sequence, KV head).
- * Work is split over (sequence, KV head) pairs with OpenMP.
+ * head are handled together. Work is split over (tile, KV head) pairs with OpenMP, where a tile
+ * is a run of up to TILE_ROWS consecutive rows of one prefill chunk and a decode row is a tile
+ * of one: each K/V block is read once for all of a tile's rows, while it is in cache.
  *
  * Compiled at first use with the system C compiler (-O3 -march=native -fopenmp). libgomp is
  * resolved by soname, so the process's already-loaded OpenMP runtime (torch's) is the one used.
@@ -19,6 +20,8 @@
 #include "common.h"
 
 #define MAX_GROUP 16
+#define TILE_ROWS 16
+#define NOINLINE __attribute__((noinline))
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -81,20 +84,236 @@ static inline int bf16_block_values(const float *probs, int64_t group, const voi
 }
 #else
 #define HAVE_BF16_DOT 0
-static inline int bf16_block_values(const float *probs, int64_t group, const void *values,
-                                    int64_t n, int hd, float *acc, int64_t stride) {
-    (void)probs, (void)group, (void)values, (void)n, (void)hd, (void)acc, (void)stride;
-    return 0;
-}
-static inline void bf16_block_scores(const void *q_rows, int64_t group, const void *keys,
-                                     int64_t n, int hd, float scale, float *scores,
-                                     int64_t stride) {
-    (void)q_rows, (void)group, (void)keys, (void)n, (void)hd, (void)scale, (void)scores,
-        (void)stride;
-}
 #endif
 
-/* One (sequence, KV head) task, head_dim fixed at compile time so the inner loops vectorize. */
+/* ---------------------------------------------------------------------------------------------
+ * The float arithmetic: float32 caches, and bf16 ones where the CPU has no bf16 dot product.
+ *
+ * Every row is computed in one fixed arithmetic, whatever tile it is in: the same functions
+ * (compiled once, never inlined) run for each (row, block), so a row's result depends only on
+ * its query, its sequence's K/V and its length. A row alone equals, bit for bit, the same row
+ * in a prefill chunk, and the block size does not matter. Tiles change only the loop order.
+ *
+ *   scores   s[g][j] = sum over d of qs[g][d] k[j][d], qs = q * scale: eight lanes (lane i
+ *            takes d = i mod 8, fused multiply-adds in order of d), the lanes then added as
+ *            ((0+1)+(2+3))+((4+5)+(6+7))
+ *   softmax  over the row's own length: e_j = exp(s_j - max), summed in eight lanes (lane i
+ *            takes j = i mod 8, in order) added as above; p_j = e_j * (1 / sum)
+ *   values   out[g][d] = fma(p_j, v[j][d], out[g][d]) in order of j
+ */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+
+static inline __m256 load8_bf16(const uint16_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+/* ((v0+v1)+(v2+v3))+((v4+v5)+(v6+v7)) */
+static inline float lanes_sum(__m256 v) {
+    const __m256 h = _mm256_hadd_ps(v, v);
+    const __m256 h2 = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
+}
+
+/* lanes_sum of each of v[0..7], in one vector, by the same tree */
+static inline __m256 lanes_sum8(const __m256 v[8]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* exp(x) for 8 lanes: exp_approx's polynomial (common.h), 2^n put in the exponent bits. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_floor_ps(
+        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+    const __m256i bits =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+/* scores[g * stride + j] for the n (<= block) keys of one block, for the group's query rows */
+#define DEFINE_BLOCK_SCORES(NAME, T, LOAD8)                                                         \
+    static NOINLINE void NAME(const float *qs, int64_t group, int64_t hd, const T *keys,          \
+                              int64_t n, float *scores, int64_t stride) {                         \
+        const int64_t chunks = hd / 8;                                                            \
+        int64_t j = 0;                                                                            \
+        for (; j + 8 <= n; j += 8)                                                                \
+            for (int64_t g = 0; g < group; g++) {                                                 \
+                __m256 acc[8];                                                                    \
+                for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();                         \
+                for (int64_t c = 0; c < chunks; c++) {                                            \
+                    const __m256 qv = _mm256_loadu_ps(qs + g * hd + 8 * c);                       \
+                    for (int k = 0; k < 8; k++)                                                   \
+                        acc[k] = _mm256_fmadd_ps(qv, LOAD8(keys + (j + k) * hd + 8 * c), acc[k]); \
+                }                                                                                 \
+                _mm256_storeu_ps(scores + g * stride + j, lanes_sum8(acc));                       \
+            }                                                                                     \
+        for (; j < n; j++)                                                                        \
+            for (int64_t g = 0; g < group; g++) {                                                 \
+                __m256 acc = _mm256_setzero_ps();                                                 \
+                for (int64_t c = 0; c < chunks; c++)                                              \
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * hd + 8 * c),                   \
+                                          LOAD8(keys + j * hd + 8 * c), acc);                     \
+                scores[g * stride + j] = lanes_sum(acc);                                          \
+            }                                                                                     \
+    }
+
+/* acc[g][:] += probs[g * stride + j] * values[j][:] for the n keys of one block, j in order */
+#define DEFINE_BLOCK_VALUES(NAME, T, LOAD8)                                                         \
+    static NOINLINE void NAME(const float *probs, int64_t group, int64_t stride, int64_t hd,      \
+                              const T *values, int64_t n, float *acc) {                           \
+        for (int64_t g = 0; g < group; g++)                                                       \
+            for (int64_t half = 0; half < hd; half += 64) {                                       \
+                float *a = acc + g * hd + half;                                                   \
+                __m256 r[8];                                                                      \
+                for (int c = 0; c < 8; c++) r[c] = _mm256_loadu_ps(a + 8 * c);                    \
+                for (int64_t j = 0; j < n; j++) {                                                 \
+                    const __m256 p = _mm256_set1_ps(probs[g * stride + j]);                       \
+                    for (int c = 0; c < 8; c++)                                                   \
+                        r[c] = _mm256_fmadd_ps(p, LOAD8(values + j * hd + half + 8 * c), r[c]);   \
+                }                                                                                 \
+                for (int c = 0; c < 8; c++) _mm256_storeu_ps(a + 8 * c, r[c]);                    \
+            }                                                                                     \
+    }
+
+/* In place, softmax of one row of scores (its buffer padded to a multiple of 8 floats). */
+static NOINLINE void row_softmax(float *s, int64_t length) {
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= length; j += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + j));
+    float lanes[8], top = -INFINITY;
+    _mm256_storeu_ps(lanes, top8);
+    for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+    for (; j < length; j++) top = s[j] > top ? s[j] : top;
+    const __m256 t = _mm256_set1_ps(top), lane_index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 total = _mm256_setzero_ps();
+    for (j = 0; j < length; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), t));
+        if (j + 8 > length)
+            e = _mm256_and_ps(e, _mm256_cmp_ps(lane_index, _mm256_set1_ps((float)(length - j)),
+                                               _CMP_LT_OQ));
+        _mm256_storeu_ps(s + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    const __m256 inverse = _mm256_set1_ps(1.f / lanes_sum(total));
+    for (j = 0; j < length; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inverse));
+}
+#else
+/* Without AVX2 and FMA: the same structure in plain loops, each sum in order. */
+#define DEFINE_BLOCK_SCORES(NAME, T, LOAD)                                                          \
+    static NOINLINE void NAME(const float *qs, int64_t group, int64_t hd, const T *keys,          \
+                              int64_t n, float *scores, int64_t stride) {                         \
+        for (int64_t j = 0; j < n; j++)                                                           \
+            for (int64_t g = 0; g < group; g++) {                                                 \
+                float s = 0.f;                                                                    \
+                for (int64_t d = 0; d < hd; d++) s += qs[g * hd + d] * LOAD(keys[j * hd + d]);    \
+                scores[g * stride + j] = s;                                                       \
+            }                                                                                     \
+    }
+
+#define DEFINE_BLOCK_VALUES(NAME, T, LOAD)                                                          \
+    static NOINLINE void NAME(const float *probs, int64_t group, int64_t stride, int64_t hd,      \
+                              const T *values, int64_t n, float *acc) {                           \
+        for (int64_t g = 0; g < group; g++)                                                       \
+            for (int64_t j = 0; j < n; j++) {                                                     \
+                const float p = probs[g * stride + j];                                            \
+                for (int64_t d = 0; d < hd; d++) acc[g * hd + d] += p * LOAD(values[j * hd + d]); \
+            }                                                                                     \
+    }
+
+static NOINLINE void row_softmax(float *s, int64_t length) {
+    float top = -INFINITY, total = 0.f;
+    for (int64_t j = 0; j < length; j++) top = s[j] > top ? s[j] : top;
+    for (int64_t j = 0; j < length; j++) {
+        s[j] = exp_approx(s[j] - top);
+        total += s[j];
+    }
+    const float inverse = 1.f / total;
+    for (int64_t j = 0; j < length; j++) s[j] *= inverse;
+}
+#define load8_f32 float_identity
+#define load8_bf16 bf16_to_float
+#endif
+
+DEFINE_BLOCK_SCORES(block_scores_f32, float, load8_f32)
+DEFINE_BLOCK_VALUES(block_values_f32, float, load8_f32)
+#if !HAVE_BF16_DOT
+DEFINE_BLOCK_SCORES(block_scores_bf16, uint16_t, load8_bf16)
+DEFINE_BLOCK_VALUES(block_values_bf16, uint16_t, load8_bf16)
+#endif
+
+/* Floats of working memory a tile of `rows` needs: scaled queries, sums, padded scores. */
+static int64_t float_tile_floats(int64_t rows, int64_t group, int64_t hd, int64_t longest) {
+    return 2 * rows * group * hd + rows * group * ((longest + 7) / 8 * 8);
+}
+
+/* One tile (rows with lengths in increasing order, one table) against one KV head. */
+#define DEFINE_FLOAT_TILE(NAME, T, LOAD, STORE, SCORES, VALUES)                                     \
+    static void NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,            \
+                     const T *k_head, const T *v_head, const int64_t *table,                      \
+                     const int64_t *lengths, int64_t rows, int64_t group, int64_t hd,             \
+                     int64_t block_size, float scale, float *work) {                              \
+        const int64_t per_row = group * hd, longest = lengths[rows - 1];                          \
+        float *qs = work, *acc = work + rows * per_row, *scores[TILE_ROWS];                       \
+        int64_t stride[TILE_ROWS];                                                                \
+        float *next = acc + rows * per_row;                                                       \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            stride[r] = (lengths[r] + 7) / 8 * 8;                                                 \
+            scores[r] = next;                                                                     \
+            next += group * stride[r];                                                            \
+            for (int64_t i = 0; i < per_row; i++)                                                 \
+                qs[r * per_row + i] = LOAD(q[r * q_row_stride + i]) * scale;                      \
+        }                                                                                         \
+        memset(acc, 0, sizeof(float) * rows * per_row);                                           \
+        const int64_t num_used = (longest + block_size - 1) / block_size;                         \
+        for (int64_t b = 0; b < num_used; b++) {                                                  \
+            const T *keys = k_head + table[b] * block_size * hd;                                  \
+            for (int64_t r = rows - 1; r >= 0; r--) {                                             \
+                const int64_t n = lengths[r] - b * block_size;                                    \
+                if (n <= 0) break;                                                                \
+                SCORES(qs + r * per_row, group, hd, keys, n < block_size ? n : block_size,        \
+                       scores[r] + b * block_size, stride[r]);                                    \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t r = 0; r < rows; r++)                                                        \
+            for (int64_t g = 0; g < group; g++) row_softmax(scores[r] + g * stride[r], lengths[r]); \
+        for (int64_t b = 0; b < num_used; b++) {                                                  \
+            const T *values = v_head + table[b] * block_size * hd;                                \
+            for (int64_t r = rows - 1; r >= 0; r--) {                                             \
+                const int64_t n = lengths[r] - b * block_size;                                    \
+                if (n <= 0) break;                                                                \
+                VALUES(scores[r] + b * block_size, group, stride[r], hd, values,                  \
+                       n < block_size ? n : block_size, acc + r * per_row);                       \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t r = 0; r < rows; r++)                                                        \
+            for (int64_t i = 0; i < per_row; i++)                                                 \
+                out[r * out_row_stride + i] = STORE(acc[r * per_row + i]);                        \
+    }
+
+DEFINE_FLOAT_TILE(float_tile_f32, float, float_identity, float_identity, block_scores_f32,
+                  block_values_f32)
+#if !HAVE_BF16_DOT
+DEFINE_FLOAT_TILE(float_tile_bf16, uint16_t, bf16_to_float, float_to_bf16, block_scores_bf16,
+                  block_values_bf16)
+#endif
+
+#if HAVE_BF16_DOT
+/* One decode row against one KV head, head_dim fixed at compile time so the inner loops
+ * vectorize; bf16 scores (and values at head_dim 64) by the CPU's bf16 dot product. */
 #define DEFINE_TASK(NAME, T, LOAD, STORE, HD, BF16_DOT)                                             \
     static void NAME(const T *q, T *out, const T *k_head, const T *v_head, const int64_t *table,   \
                      int64_t length, int64_t group, int64_t block_size, float scale,              \
@@ -145,52 +364,9 @@ static inline void bf16_block_scores(const void *q_rows, int64_t group, const vo
             for (int d = 0; d < HD; d++) out[g * HD + d] = STORE(acc[g][d]);                      \
     }
 
-DEFINE_TASK(task_f32_64, float, float_identity, float_identity, 64, 0)
-DEFINE_TASK(task_f32_128, float, float_identity, float_identity, 128, 0)
-DEFINE_TASK(task_bf16_64, uint16_t, bf16_to_float, float_to_bf16, 64, HAVE_BF16_DOT)
-DEFINE_TASK(task_bf16_128, uint16_t, bf16_to_float, float_to_bf16, 128, HAVE_BF16_DOT)
 
-#define DEFINE_ENTRY(NAME, T, TASK64, TASK128)                                                      \
-    int NAME(const T *q, int64_t q_row_stride, const T *kv, const int64_t *block_tables,          \
-             int64_t table_width, const int64_t *row_tables, const int64_t *lengths, T *out,      \
-             int64_t out_row_stride,                                                              \
-             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,         \
-             int64_t num_blocks, int64_t block_size, float scale, int num_threads) {              \
-        const int64_t group = num_heads / num_kv_heads;                                           \
-        if (group > MAX_GROUP || (head_dim != 64 && head_dim != 128)) return -1;                  \
-        const int64_t head_stride = num_blocks * block_size * head_dim;                           \
-        const T *k_base = kv, *v_base = kv + num_kv_heads * head_stride;                          \
-        _Pragma("omp parallel num_threads(num_threads)") {                                        \
-            float *scores = NULL;                                                                 \
-            int64_t capacity = 0;                                                                 \
-            _Pragma("omp for schedule(dynamic, 4)") for (int64_t task = 0;                        \
-                                                         task < num_seqs * num_kv_heads; task++) { \
-                const int64_t seq = task / num_kv_heads, h = task % num_kv_heads;                 \
-                const int64_t length = lengths[seq];                                              \
-                if (group * length > capacity) {                                                  \
-                    free(scores);                                                                 \
-                    capacity = group * length * 2;                                                \
-                    scores = (float *)malloc(sizeof(float) * capacity);                           \
-                }                                                                                 \
-                const T *qrow = q + seq * q_row_stride + h * group * head_dim;                    \
-                T *orow = out + seq * out_row_stride + h * group * head_dim;                       \
-                const int64_t *table =                                                            \
-                    block_tables + (row_tables ? row_tables[seq] : seq) * table_width;            \
-                if (head_dim == 64)                                                               \
-                    TASK64(qrow, orow, k_base + h * head_stride, v_base + h * head_stride, table, \
-                           length, group, block_size, scale, scores);                             \
-                else                                                                              \
-                    TASK128(qrow, orow, k_base + h * head_stride, v_base + h * head_stride,       \
-                            table, length, group, block_size, scale, scores);                     \
-            }                                                                                     \
-            free(scores);                                                                         \
-        }                                                                                         \
-        return 0;                                                                                 \
-    }
-
-DEFINE_ENTRY(kvserve_paged_decode_f32, float, task_f32_64, task_f32_128)
-#if HAVE_BF16_DOT
-#define TILE_ROWS 16
+DEFINE_TASK(task_bf16_64, uint16_t, bf16_to_float, float_to_bf16, 64, 1)
+DEFINE_TASK(task_bf16_128, uint16_t, bf16_to_float, float_to_bf16, 128, 1)
 
 /*
  * Consecutive rows of one prefill chunk (one table, lengths growing by one), up to TILE_ROWS
@@ -335,65 +511,84 @@ static void tile_task_bf16(const uint16_t *q, int64_t q_row_stride, uint16_t *ou
     }
 }
 
-int kvserve_paged_decode_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *kv,
-                              const int64_t *block_tables, int64_t table_width,
-                              const int64_t *row_tables, const int64_t *lengths, uint16_t *out,
-                              int64_t out_row_stride, int64_t num_seqs, int64_t num_heads,
-                              int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
-                              int64_t block_size, float scale, int num_threads) {
-    const int64_t group = num_heads / num_kv_heads;
-    if (group > MAX_GROUP || (head_dim != 64 && head_dim != 128)) return -1;
-    const int64_t head_stride = num_blocks * block_size * head_dim;
-    const uint16_t *k_base = kv, *v_base = kv + num_kv_heads * head_stride;
-    /* Tiles: runs of rows of one prefill chunk (same table, lengths growing by one). */
-    int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));
-    int64_t num_tiles = 0;
-    for (int64_t r = 0; r < num_seqs; r++) {
-        const int continues = r > 0 && row_tables && row_tables[r] == row_tables[r - 1] &&
-                              lengths[r] == lengths[r - 1] + 1 &&
-                              r - tiles[num_tiles - 1] < TILE_ROWS;
-        if (!continues) tiles[num_tiles++] = r;
-    }
-    tiles[num_tiles] = num_seqs;
-    _Pragma("omp parallel num_threads(num_threads)") {
-        float *work = NULL;
-        int64_t capacity = 0;
-        _Pragma("omp for schedule(dynamic, 1)") for (int64_t task = 0;
-                                                     task < num_tiles * num_kv_heads; task++) {
-            /* longest tiles first: they are the last rows of a chunk */
-            const int64_t tile = num_tiles - 1 - task / num_kv_heads, h = task % num_kv_heads;
-            const int64_t first = tiles[tile], rows = tiles[tile + 1] - first;
-            const int64_t longest = lengths[first + rows - 1];
-            const int64_t width = (rows * group + 15) / 16 * 16;
-            const int64_t need = group * longest + head_dim / 2 * width + longest * width +
-                                 longest * head_dim + width;
-            if (need > capacity) {
-                free(work);
-                capacity = need * 2;
-                work = (float *)malloc(sizeof(float) * capacity);
-            }
-            const uint16_t *qrow = q + first * q_row_stride + h * group * head_dim;
-            uint16_t *orow = out + first * out_row_stride + h * group * head_dim;
-            const int64_t *table =
-                block_tables + (row_tables ? row_tables[first] : first) * table_width;
-            if (rows == 1) {
-                if (head_dim == 64)
-                    task_bf16_64(qrow, orow, k_base + h * head_stride, v_base + h * head_stride,
-                                 table, longest, group, block_size, scale, work);
-                else
-                    task_bf16_128(qrow, orow, k_base + h * head_stride, v_base + h * head_stride,
-                                  table, longest, group, block_size, scale, work);
-            } else {
-                tile_task_bf16(qrow, q_row_stride, orow, out_row_stride,
-                               k_base + h * head_stride, v_base + h * head_stride, table,
-                               lengths + first, rows, group, head_dim, block_size, scale, work);
-            }
-        }
-        free(work);
-    }
-    free(tiles);
-    return 0;
+static int64_t bf16_dot_tile_floats(int64_t rows, int64_t group, int64_t hd, int64_t longest) {
+    const int64_t width = (rows * group + 15) / 16 * 16;
+    return group * longest + hd / 2 * width + longest * width + longest * hd + width;
 }
+
+static void bf16_dot_tile(const uint16_t *q, int64_t q_row_stride, uint16_t *out,
+                          int64_t out_row_stride, const uint16_t *k_head, const uint16_t *v_head,
+                          const int64_t *table, const int64_t *lengths, int64_t rows,
+                          int64_t group, int64_t hd, int64_t block_size, float scale,
+                          float *work) {
+    if (rows > 1)
+        tile_task_bf16(q, q_row_stride, out, out_row_stride, k_head, v_head, table, lengths, rows,
+                       group, hd, block_size, scale, work);
+    else if (hd == 64)
+        task_bf16_64(q, out, k_head, v_head, table, lengths[0], group, block_size, scale, work);
+    else
+        task_bf16_128(q, out, k_head, v_head, table, lengths[0], group, block_size, scale, work);
+}
+#endif
+
+/* The entry points: rows cut into tiles (runs of one prefill chunk's rows: same table, lengths
+ * growing by one), then (tile, KV head) tasks, longest tiles first. */
+#define DEFINE_ENTRY(NAME, T, TILE, TILE_FLOATS)                                                    \
+    int NAME(const T *q, int64_t q_row_stride, const T *kv, const int64_t *block_tables,          \
+             int64_t table_width, const int64_t *row_tables, const int64_t *lengths, T *out,      \
+             int64_t out_row_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,   \
+             int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,              \
+             int num_threads) {                                                                   \
+        const int64_t group = num_heads / num_kv_heads;                                           \
+        if (group > MAX_GROUP || (head_dim != 64 && head_dim != 128)) return -1;                  \
+        const int64_t head_stride = num_blocks * block_size * head_dim;                           \
+        const T *k_base = kv, *v_base = kv + num_kv_heads * head_stride;                          \
+        int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));                     \
+        if (!tiles) return -2;                                                                    \
+        int64_t num_tiles = 0;                                                                    \
+        for (int64_t r = 0; r < num_seqs; r++) {                                                  \
+            const int continues = r > 0 && row_tables && row_tables[r] == row_tables[r - 1] &&    \
+                                  lengths[r] == lengths[r - 1] + 1 &&                             \
+                                  r - tiles[num_tiles - 1] < TILE_ROWS;                           \
+            if (!continues) tiles[num_tiles++] = r;                                               \
+        }                                                                                         \
+        tiles[num_tiles] = num_seqs;                                                              \
+        int failed = 0;                                                                           \
+        _Pragma("omp parallel num_threads(num_threads)") {                                        \
+            float *work = NULL;                                                                   \
+            int64_t capacity = 0;                                                                 \
+            _Pragma("omp for schedule(dynamic, 1)") for (int64_t task = 0;                        \
+                                                         task < num_tiles * num_kv_heads;         \
+                                                         task++) {                                \
+                const int64_t tile = num_tiles - 1 - task / num_kv_heads, h = task % num_kv_heads; \
+                const int64_t first = tiles[tile], rows = tiles[tile + 1] - first;                \
+                const int64_t need = TILE_FLOATS(rows, group, head_dim, lengths[first + rows - 1]); \
+                if (need > capacity) {                                                            \
+                    free(work);                                                                   \
+                    capacity = need * 2;                                                          \
+                    work = (float *)malloc(sizeof(float) * capacity);                             \
+                    if (!work) {                                                                  \
+                        capacity = 0;                                                             \
+                        _Pragma("omp atomic write") failed = 1;                                   \
+                        continue;                                                                 \
+                    }                                                                             \
+                }                                                                                 \
+                const int64_t *table =                                                            \
+                    block_tables + (row_tables ? row_tables[first] : first) * table_width;        \
+                TILE(q + first * q_row_stride + h * group * head_dim, q_row_stride,               \
+                     out + first * out_row_stride + h * group * head_dim, out_row_stride,         \
+                     k_base + h * head_stride, v_base + h * head_stride, table, lengths + first,  \
+                     rows, group, head_dim, block_size, scale, work);                             \
+            }                                                                                     \
+            free(work);                                                                           \
+        }                                                                                         \
+        free(tiles);                                                                              \
+        return failed ? -2 : 0;                                                                   \
+    }
+
+DEFINE_ENTRY(kvserve_paged_decode_f32, float, float_tile_f32, float_tile_floats)
+#if HAVE_BF16_DOT
+DEFINE_ENTRY(kvserve_paged_decode_bf16, uint16_t, bf16_dot_tile, bf16_dot_tile_floats)
 #else
-DEFINE_ENTRY(kvserve_paged_decode_bf16, uint16_t, task_bf16_64, task_bf16_128)
+DEFINE_ENTRY(kvserve_paged_decode_bf16, uint16_t, float_tile_bf16, float_tile_floats)
 #endif
