@@ -118,13 +118,6 @@ static inline float lanes_sum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
 }
 
-/* lanes_sum of each of v[0..7], in one vector, by the same tree */
-static inline __m256 lanes_sum8(const __m256 v[8]) {
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
 /* exp(x) for 8 lanes: exp_approx's polynomial (common.h), 2^n put in the exponent bits. */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
@@ -144,49 +137,90 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
-/* scores[g * stride + j] for the n (<= block) keys of one block, for the group's query rows */
+/* lanes_sum of each of v[0..3], in one vector of 4, by the same tree */
+static inline __m128 lanes_sum4(const __m256 v[4]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+}
+
+/* Scores of G (a constant, <= 3) query rows against four keys at a time, each key's chunk
+ * loaded once for the G rows; then each remaining key alone, in the same sums. */
 #define DEFINE_BLOCK_SCORES(NAME, T, LOAD8)                                                         \
-    static NOINLINE void NAME(const float *qs, int64_t group, int64_t hd, const T *keys,          \
-                              int64_t n, float *scores, int64_t stride) {                         \
+    static inline __attribute__((always_inline)) void NAME##_rows(                               \
+        const float *qs, const int G, int64_t hd, const T *keys, int64_t n, float *scores,        \
+        int64_t stride) {                                                                         \
         const int64_t chunks = hd / 8;                                                            \
         int64_t j = 0;                                                                            \
-        for (; j + 8 <= n; j += 8)                                                                \
-            for (int64_t g = 0; g < group; g++) {                                                 \
-                __m256 acc[8];                                                                    \
-                for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();                         \
-                for (int64_t c = 0; c < chunks; c++) {                                            \
+        for (; j + 4 <= n; j += 4) {                                                              \
+            __m256 acc[3][4];                                                                     \
+            for (int g = 0; g < G; g++)                                                           \
+                for (int k = 0; k < 4; k++) acc[g][k] = _mm256_setzero_ps();                      \
+            for (int64_t c = 0; c < chunks; c++) {                                                \
+                __m256 key[4];                                                                    \
+                for (int k = 0; k < 4; k++) key[k] = LOAD8(keys + (j + k) * hd + 8 * c);          \
+                for (int g = 0; g < G; g++) {                                                     \
                     const __m256 qv = _mm256_loadu_ps(qs + g * hd + 8 * c);                       \
-                    for (int k = 0; k < 8; k++)                                                   \
-                        acc[k] = _mm256_fmadd_ps(qv, LOAD8(keys + (j + k) * hd + 8 * c), acc[k]); \
+                    for (int k = 0; k < 4; k++) acc[g][k] = _mm256_fmadd_ps(qv, key[k], acc[g][k]); \
                 }                                                                                 \
-                _mm256_storeu_ps(scores + g * stride + j, lanes_sum8(acc));                       \
             }                                                                                     \
+            for (int g = 0; g < G; g++) _mm_storeu_ps(scores + g * stride + j, lanes_sum4(acc[g])); \
+        }                                                                                         \
         for (; j < n; j++)                                                                        \
-            for (int64_t g = 0; g < group; g++) {                                                 \
+            for (int g = 0; g < G; g++) {                                                         \
                 __m256 acc = _mm256_setzero_ps();                                                 \
                 for (int64_t c = 0; c < chunks; c++)                                              \
                     acc = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * hd + 8 * c),                   \
                                           LOAD8(keys + j * hd + 8 * c), acc);                     \
                 scores[g * stride + j] = lanes_sum(acc);                                          \
             }                                                                                     \
+    }                                                                                             \
+    /* scores[g * stride + j] for the n (<= block) keys of one block, for the group's rows */     \
+    static NOINLINE void NAME(const float *qs, int64_t group, int64_t hd, const T *keys,          \
+                              int64_t n, float *scores, int64_t stride) {                         \
+        for (int64_t g = 0; g < group; g += 3) {                                                  \
+            const float *q = qs + g * hd;                                                         \
+            float *s = scores + g * stride;                                                       \
+            switch (group - g < 3 ? group - g : 3) {                                              \
+            case 1: NAME##_rows(q, 1, hd, keys, n, s, stride); break;                             \
+            case 2: NAME##_rows(q, 2, hd, keys, n, s, stride); break;                             \
+            default: NAME##_rows(q, 3, hd, keys, n, s, stride); break;                            \
+            }                                                                                     \
+        }                                                                                         \
     }
 
-/* acc[g][:] += probs[g * stride + j] * values[j][:] for the n keys of one block, j in order */
+/* acc[g][:] += probs[g * stride + j] * values[j][:] for the n keys of one block, j in order:
+ * G (a constant, <= 3) rows and 32 dimensions at a time, each value chunk loaded once. */
 #define DEFINE_BLOCK_VALUES(NAME, T, LOAD8)                                                         \
+    static inline __attribute__((always_inline)) void NAME##_rows(                               \
+        const float *probs, const int G, int64_t stride, int64_t hd, const T *values, int64_t n,  \
+        float *acc) {                                                                             \
+        for (int64_t part = 0; part < hd; part += 32) {                                           \
+            __m256 a[3][4];                                                                       \
+            for (int g = 0; g < G; g++)                                                           \
+                for (int c = 0; c < 4; c++) a[g][c] = _mm256_loadu_ps(acc + g * hd + part + 8 * c); \
+            for (int64_t j = 0; j < n; j++) {                                                     \
+                __m256 p[3];                                                                      \
+                for (int g = 0; g < G; g++) p[g] = _mm256_broadcast_ss(probs + g * stride + j);   \
+                for (int c = 0; c < 4; c++) {                                                     \
+                    const __m256 v = LOAD8(values + j * hd + part + 8 * c);                       \
+                    for (int g = 0; g < G; g++) a[g][c] = _mm256_fmadd_ps(p[g], v, a[g][c]);      \
+                }                                                                                 \
+            }                                                                                     \
+            for (int g = 0; g < G; g++)                                                           \
+                for (int c = 0; c < 4; c++) _mm256_storeu_ps(acc + g * hd + part + 8 * c, a[g][c]); \
+        }                                                                                         \
+    }                                                                                             \
     static NOINLINE void NAME(const float *probs, int64_t group, int64_t stride, int64_t hd,      \
                               const T *values, int64_t n, float *acc) {                           \
-        for (int64_t g = 0; g < group; g++)                                                       \
-            for (int64_t half = 0; half < hd; half += 64) {                                       \
-                float *a = acc + g * hd + half;                                                   \
-                __m256 r[8];                                                                      \
-                for (int c = 0; c < 8; c++) r[c] = _mm256_loadu_ps(a + 8 * c);                    \
-                for (int64_t j = 0; j < n; j++) {                                                 \
-                    const __m256 p = _mm256_set1_ps(probs[g * stride + j]);                       \
-                    for (int c = 0; c < 8; c++)                                                   \
-                        r[c] = _mm256_fmadd_ps(p, LOAD8(values + j * hd + half + 8 * c), r[c]);   \
-                }                                                                                 \
-                for (int c = 0; c < 8; c++) _mm256_storeu_ps(a + 8 * c, r[c]);                    \
+        for (int64_t g = 0; g < group; g += 3) {                                                  \
+            const float *p = probs + g * stride;                                                  \
+            float *a = acc + g * hd;                                                              \
+            switch (group - g < 3 ? group - g : 3) {                                              \
+            case 1: NAME##_rows(p, 1, stride, hd, values, n, a); break;                           \
+            case 2: NAME##_rows(p, 2, stride, hd, values, n, a); break;                           \
+            default: NAME##_rows(p, 3, stride, hd, values, n, a); break;                          \
             }                                                                                     \
+        }                                                                                         \
     }
 
 /* In place, softmax of one row of scores (its buffer padded to a multiple of 8 floats). */
