@@ -61,6 +61,21 @@ static inline void softmax_rows(float *scores, int64_t rows, int64_t length) {
     }
 }
 
+/* Cuts `rows` rows into tiles: runs of up to `max_rows` consecutive rows of one prefill chunk
+ * (the same table, lengths growing by one). tiles ([rows + 1]) gets each tile's first row, then
+ * `rows`; returns the number of tiles. Without row tables every row is a tile of its own. */
+static inline int64_t cut_tiles(const int64_t *row_tables, const int64_t *lengths, int64_t rows,
+                                int64_t max_rows, int64_t *tiles) {
+    int64_t count = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int continues = r > 0 && row_tables && row_tables[r] == row_tables[r - 1] &&
+                              lengths[r] == lengths[r - 1] + 1 && r - tiles[count - 1] < max_rows;
+        if (!continues) tiles[count++] = r;
+    }
+    tiles[count] = rows;
+    return count;
+}
+
 /* Half-rotation RoPE, in place, of `count` consecutive heads of `head_dim` values at `row`,
  * with this position's half tables `c` and `s` ([head_dim / 2] float32). */
 #define DEFINE_ROTATE_HEADS(NAME, T, LOAD, STORE)                                                   \

@@ -643,14 +643,7 @@ static void q8_tile_task(const void *q, int bf16, int64_t q_row_stride, void *ou
         const float *k_scales = scales, *v_scales = scales + num_kv_heads * slots;                \
         int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));                     \
         if (!tiles) return -2;                                                                    \
-        int64_t num_tiles = 0;                                                                    \
-        for (int64_t r = 0; r < num_seqs; r++) {                                                  \
-            const int continues = r > 0 && row_tables && row_tables[r] == row_tables[r - 1] &&    \
-                                  lengths[r] == lengths[r - 1] + 1 &&                             \
-                                  r - tiles[num_tiles - 1] < TILE_ROWS;                           \
-            if (!continues) tiles[num_tiles++] = r;                                               \
-        }                                                                                         \
-        tiles[num_tiles] = num_seqs;                                                              \
+        const int64_t num_tiles = cut_tiles(row_tables, lengths, num_seqs, TILE_ROWS, tiles);     \
         int failed = 0;                                                                           \
         _Pragma("omp parallel num_threads(num_threads)") {                                        \
             float *work = NULL;                                                                   \

@@ -579,14 +579,7 @@ static void bf16_dot_tile(const uint16_t *q, int64_t q_row_stride, uint16_t *out
         const T *k_base = kv, *v_base = kv + num_kv_heads * head_stride;                          \
         int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));                     \
         if (!tiles) return -2;                                                                    \
-        int64_t num_tiles = 0;                                                                    \
-        for (int64_t r = 0; r < num_seqs; r++) {                                                  \
-            const int continues = r > 0 && row_tables && row_tables[r] == row_tables[r - 1] &&    \
-                                  lengths[r] == lengths[r - 1] + 1 &&                             \
-                                  r - tiles[num_tiles - 1] < TILE_ROWS;                           \
-            if (!continues) tiles[num_tiles++] = r;                                               \
-        }                                                                                         \
-        tiles[num_tiles] = num_seqs;                                                              \
+        const int64_t num_tiles = cut_tiles(row_tables, lengths, num_seqs, TILE_ROWS, tiles);     \
         int failed = 0;                                                                           \
         _Pragma("omp parallel num_threads(num_threads)") {                                        \
             float *work = NULL;                                                                   \
