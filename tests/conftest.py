@@ -75,3 +75,28 @@ def loaded_int8():
     from kvserve.model.loader import load_model
 
     return load_model(None, DeviceConfig(device="cpu", quantization="int8"))
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(model_path):
+    """transformers' own tokenizer for the default GGUF file (an independent reference), loaded
+    once per session and shared read-only: a test that must change it works on a copy."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(
+        str(model_path.parent), gguf_file=model_path.name
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_reference(model_path):
+    """transformers' model for the default GGUF file in float32, in eval mode (the independent
+    reference for logits and greedy tokens), loaded once per session and shared read-only."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
+    )
+    model.eval()
+    return model

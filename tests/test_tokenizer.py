@@ -25,7 +25,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import gguf  # noqa: E402
 import regex  # noqa: E402  (installed with transformers)
-import transformers  # noqa: E402
 from tokenizers import pre_tokenizers  # noqa: E402
 
 from kvserve.model.paths import default_model_path  # noqa: E402
@@ -68,11 +67,9 @@ def tok(gguf_path, fields) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf_gguf(gguf_path):
+def hf_gguf(hf_tokenizer):
     """transformers' own GGUF tokenizer, unmodified."""
-    return transformers.AutoTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name
-    )
+    return hf_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -255,14 +255,8 @@ def assert_record_relations(result: BenchResult) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
-    from kvserve.model.paths import default_model_path
-
-    path = default_model_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def smollm2_tokenizer(hf_tokenizer):
+    return hf_tokenizer
 
 
 def test_prompts_are_about_input_len_tokens_for_a_bpe_tokenizer(smollm2_tokenizer) -> None:

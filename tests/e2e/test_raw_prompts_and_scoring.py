@@ -45,26 +45,6 @@ def client(server):
         yield client
 
 
-@pytest.fixture(scope="module")
-def hf_tokenizer(model_path):
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(
-        str(model_path.parent), gguf_file=model_path.name
-    )
-
-
-@pytest.fixture(scope="module")
-def reference(model_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
-    )
-    model.eval()
-    return model
-
-
 def _tokenize(server, **body) -> list[int]:
     response = httpx.post(server.url + "/tokenize", json=body, timeout=30)
     assert response.status_code == 200, response.text
@@ -120,7 +100,7 @@ def _scored(client, server, **extra):
 
 
 def test_echo_scores_a_text_as_the_offline_api_and_transformers_do(
-    client, server, loaded_fp32, reference
+    client, server, loaded_fp32, hf_reference
 ):
     completion = _scored(client, server, max_tokens=0)
     choice = completion.choices[0]
@@ -145,7 +125,7 @@ def test_echo_scores_a_text_as_the_offline_api_and_transformers_do(
     assert served == pytest.approx(offline_values, abs=1e-6)
 
     with torch.no_grad():
-        logits = reference(torch.tensor([ids])).logits[0].float()
+        logits = hf_reference(torch.tensor([ids])).logits[0].float()
     expected = torch.log_softmax(logits, dim=-1)
     theirs = [expected[p - 1, ids[p]].item() for p in range(1, len(ids))]
     assert max(abs(a - b) for a, b in zip(served, theirs, strict=True)) <= 1e-3

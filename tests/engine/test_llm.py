@@ -29,17 +29,6 @@ def llm32(loaded_fp32):
         yield llm
 
 
-@pytest.fixture(scope="module")
-def reference(model_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
-    )
-    model.eval()
-    return model
-
-
 def test_a_script_with_only_the_top_level_imports_exits_quietly(tmp_path):
     """The script never closes its LLM: it must still end with nothing on stderr."""
     script = tmp_path / "offline.py"
@@ -156,14 +145,14 @@ def test_raw_prompts_parse_control_tokens_and_chat_content_does_not(llm32):
     assert specials == [t for t in one.prompt_token_ids if t in tok.special_token_ids]
 
 
-def test_prompt_logprobs_match_transformers(llm32, reference):
+def test_prompt_logprobs_match_transformers(llm32, hf_reference):
     ids = llm32.tokenizer.encode(SCORED)
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3)
     (output,) = llm32.generate(SCORED, params)
     scored = output.prompt_logprobs
     assert len(scored) == len(ids) and scored[0] is None
     with torch.no_grad():
-        logits = reference(torch.tensor([ids])).logits[0].float()
+        logits = hf_reference(torch.tensor([ids])).logits[0].float()
     expected = torch.log_softmax(logits, dim=-1)
     for position in range(1, len(ids)):
         entry = scored[position]

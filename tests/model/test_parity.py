@@ -18,18 +18,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def reference(model_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
-    )
-    model.eval()
-    return model
-
-
-def test_logits_match_transformers_at_every_position(loaded_fp32, reference):
+def test_logits_match_transformers_at_every_position(loaded_fp32, hf_reference):
     tokenizer = loaded_fp32.tokenizer
     messages = [
         {"role": "system", "content": "You are a concise assistant who answers in English."},
@@ -46,15 +35,15 @@ def test_logits_match_transformers_at_every_position(loaded_fp32, reference):
     meta.logits_indices = torch.arange(len(ids))  # every position, not only the last
     ours = model.forward(torch.tensor(ids), meta, cache)
     with torch.no_grad():
-        theirs = reference(torch.tensor([ids])).logits[0].float()
+        theirs = hf_reference(torch.tensor([ids])).logits[0].float()
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max().item() <= 1e-3
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_64_tokens_match_transformers(loaded_fp32, reference, prompt):
+def test_greedy_64_tokens_match_transformers(loaded_fp32, hf_reference, prompt):
     tokenizer = loaded_fp32.tokenizer
     ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
     ours = greedy_continuation(loaded_fp32.model, ids, 64)
-    theirs = reference_greedy(reference, ids, 64)
+    theirs = reference_greedy(hf_reference, ids, 64)
     assert ours == theirs

@@ -122,16 +122,12 @@ def test_unsupported_architecture_is_refused_by_name():
         config_from_json({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
 
 
-def test_hf_directory_loads_with_its_tokenizer(tmp_path, model_path):
+def test_hf_directory_loads_with_its_tokenizer(tmp_path, hf_tokenizer):
     """`load_model` on a directory: weights, tokenizer.json and the chat template."""
-    import transformers
-
     from kvserve.config import DeviceConfig
     from kvserve.model.loader import load_model
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        str(model_path.parent), gguf_file=model_path.name
-    )
+    tokenizer = hf_tokenizer
     config = tiny_config("llama", vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2)
     reference = save_tiny(tmp_path, config)
     tokenizer.save_pretrained(tmp_path)
