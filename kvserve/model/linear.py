@@ -4,6 +4,12 @@ On CPUs with bf16 weights, oneDNN runs much faster (about 2x for the small row c
 when the weight is reordered once into its blocked layout instead of on every call, which is
 what `F.linear` does. torch exposes that through its mkldnn ops; they are checked against
 `F.linear` once at start-up and not used if they disagree or are missing.
+
+With float32 weights on the CPU, products of up to ROW_PRODUCT_ROWS rows (decode steps, short
+chunks) go to kvserve's own row product (kvserve/model/csrc/f32_gemm.c): the BLAS streams the
+weights at a quarter to a half of the memory's speed for so few rows, and its result for a row
+changes with the number of rows beside it (1-3 rows against 4 or more), where the kernel's does
+not. Larger products keep the BLAS.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from functools import cache
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.model import native
 
 log = logging.getLogger("kvserve.model")
 
@@ -37,6 +45,22 @@ def _packing_works() -> bool:
         return False
 
 
+# Up to this many rows the float32 row product beats the BLAS (docs/benchmarks.md).
+ROW_PRODUCT_ROWS = 32
+
+
+def can_use_row_product(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and weight.shape[1] % 8 == 0
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and native.f32_gemm_available()
+    )
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
@@ -50,7 +74,7 @@ class Linear:
     """`y = x @ weight.T + bias` with the weight prepared once. `weight` stays available
     (unpacked) for code that indexes it."""
 
-    __slots__ = ("weight", "bias", "_packed")
+    __slots__ = ("weight", "bias", "_packed", "_row_product")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
@@ -58,8 +82,17 @@ class Linear:
         self._packed = (
             torch.ops.mkldnn._reorder_linear_weight(weight, 64) if can_pack(weight) else None
         )
+        self._row_product = can_use_row_product(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self._row_product
+            and x.dim() == 2
+            and x.shape[0] <= ROW_PRODUCT_ROWS
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+        ):
+            return native.f32_gemm(x.contiguous(), self.weight, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

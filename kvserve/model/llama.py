@@ -568,7 +568,7 @@ class LlamaModel:
         if x.shape[0] == 0:  # a step whose chunks all continue a prompt samples nothing
             return x.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         if self.dtype == torch.float32:
-            return F.linear(x, self.lm_head)
+            return F.linear(x, self.lm_head) if self.head is None else self.head(x)
         return self._refine(self.head(x.to(self.dtype)).float(), x)
 
     def _refine(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ SOURCES = [
     CSRC / "layer_ops.c",
     CSRC / "quant_ops.c",
     CSRC / "int8_gemm.c",
+    CSRC / "f32_gemm.c",
     CSRC / "kv_int8.c",
     CSRC / "forward_int8.c",
     CSRC / "q4_gemm.c",
@@ -170,6 +171,10 @@ def library() -> ctypes.CDLL | None:
     lib.kvserve_int8_gemm.restype = None
     lib.kvserve_int8_gemm_available.argtypes = []
     lib.kvserve_int8_gemm_available.restype = ctypes.c_int
+    lib.kvserve_f32_gemm.argtypes = [p, i64, i64, p, i64, p, p, i32]
+    lib.kvserve_f32_gemm.restype = None
+    lib.kvserve_f32_gemm_available.argtypes = []
+    lib.kvserve_f32_gemm_available.restype = ctypes.c_int
     for name in ("kvserve_add_rmsnorm_q8", "kvserve_silu_mul_q8", "kvserve_rotate_rows"):
         getattr(lib, name).restype = None
     from kvserve.model import native_q4
@@ -202,6 +207,23 @@ def _tensor(
     contiguous: bool = True,
 ) -> None:
     """Check a CPU tensor's rank, dtype, contiguity and (where given, None = any) sizes."""
+    # The checks run for every kernel call, so the usual case is one expression and the
+    # messages are only built for a tensor that fails.
+    if (
+        isinstance(t, torch.Tensor)
+        and t.device.type == "cpu"
+        and t.dim() == ndim
+        and t.dtype in dtypes
+        and (not contiguous or t.is_contiguous())
+        and (
+            shape is None
+            or (
+                len(shape) == ndim
+                and all(w is None or s == w for s, w in zip(t.shape, shape, strict=True))
+            )
+        )
+    ):
+        return
     _require(isinstance(t, torch.Tensor), f"{name} must be a tensor")
     _require(t.device.type == "cpu", f"{name} must be on the CPU, not {t.device}")
     _require(t.dim() == ndim, f"{name} must have {ndim} dimensions, not shape {tuple(t.shape)}")
@@ -679,6 +701,43 @@ def int8_gemm(
         panels.data_ptr(),
         correction.data_ptr(),
         n,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+@cache
+def f32_gemm_available() -> bool:
+    """Whether csrc/f32_gemm.c's float32 row product runs here (AVX2 and FMA)."""
+    lib = library()
+    return lib is not None and bool(lib.kvserve_f32_gemm_available())
+
+
+def f32_gemm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) in float32, each output in one fixed arithmetic whatever the
+    number of rows (csrc/f32_gemm.c): x [rows, k], weight [n, k], bias [n], contiguous float32,
+    k a positive multiple of 8. Returns [rows, n]."""
+    _require(f32_gemm_available(), "the float32 row product needs the C kernels with AVX2 and FMA")
+    _tensor(x, "x", 2, (torch.float32,))
+    rows, k = x.shape
+    _tensor(weight, "weight", 2, (torch.float32,), shape=(None, k))
+    _require(k % 8 == 0 and k > 0, f"the product's inner size {k} must be a positive multiple of 8")
+    n = weight.shape[0]
+    if bias is not None:
+        _tensor(bias, "bias", 1, (torch.float32,), shape=(n,))
+    out = torch.empty(rows, n, dtype=torch.float32)
+    if rows == 0 or n == 0:
+        return out
+    library().kvserve_f32_gemm(
+        x.data_ptr(),
+        rows,
+        k,
+        weight.data_ptr(),
+        n,
+        _ptr(bias),
         out.data_ptr(),
         torch.get_num_threads(),
     )

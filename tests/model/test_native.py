@@ -198,6 +198,49 @@ def test_float32_rows_are_the_same_alone_in_a_tile_and_in_any_block_size(
     assert (results[0][n] - expect_last).abs().max() <= tolerance
 
 
+needs_row_product = pytest.mark.skipif(
+    not native.f32_gemm_available(), reason="the float32 row product needs AVX2 and FMA"
+)
+
+
+@needs_row_product
+@pytest.mark.parametrize("n, k", [(960, 576), (7, 576), (4099, 1536), (5, 8)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_row_product_matches_float64_and_each_row_is_the_same_in_any_batch(n, k, with_bias):
+    g = gen(n + k)
+    weight = torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    x = torch.randn(33, k, generator=g)
+    together = native.f32_gemm(x, weight, bias)
+    reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert (together.double() - reference).abs().max() <= 1e-5 * k**0.5 * reference.abs().max()
+    # A row's result does not depend on the rows beside it, nor on the number of threads.
+    for first, count in ((0, 1), (5, 2), (7, 3), (1, 32)):
+        part = native.f32_gemm(x[first : first + count].contiguous(), weight, bias)
+        assert torch.equal(part, together[first : first + count])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(native.f32_gemm(x, weight, bias), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_row_product
+def test_float32_linear_layers_take_the_row_product_up_to_its_row_count():
+    from kvserve.model.linear import ROW_PRODUCT_ROWS, Linear
+
+    g = gen(3)
+    weight, bias = torch.randn(100, 64, generator=g), torch.randn(100, generator=g)
+    layer = Linear(weight, bias)
+    few = torch.randn(ROW_PRODUCT_ROWS, 64, generator=g)
+    assert torch.equal(layer(few), native.f32_gemm(few, weight, bias))
+    many = torch.randn(ROW_PRODUCT_ROWS + 1, 64, generator=g)
+    assert torch.equal(layer(many), F.linear(many, weight, bias))
+    strided = torch.randn(64, 8, generator=g).t()  # rows that are not contiguous
+    assert torch.equal(layer(strided), native.f32_gemm(strided.contiguous(), weight, bias))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_forward_matches_plain_forward(loaded_fp32, loaded_bf16, dtype):
     loaded = loaded_fp32 if dtype == "float32" else loaded_bf16

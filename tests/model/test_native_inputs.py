@@ -64,6 +64,8 @@ def test_zero_rows_reach_no_kernel(dtype):
     assert out.shape == (0, 128) and out.dtype == dtype
     assert native.rotate_rows(x, torch.eye(128)).shape == (0, 128)
     assert native.topk_rows(torch.empty(0, 100), 8).shape == (0, 8)
+    if native.f32_gemm_available():
+        assert native.f32_gemm(x, torch.ones(5, 128)).shape == (0, 5)
 
 
 @needs_int8_gemm
@@ -132,6 +134,15 @@ def test_shapes_and_dtypes_the_kernels_cannot_take_are_refused():
     panels, correction = native.pack_int8_weight(weight)
     with pytest.raises(KernelInputError, match="panels"):  # k of 32 against a 64-wide weight
         native.int8_gemm(torch.zeros(2, 32, dtype=torch.int8), panels, correction, 64)
+    if native.f32_gemm_available():
+        with pytest.raises(KernelInputError, match="weight has size 32"):  # k of 64 against 32
+            native.f32_gemm(torch.zeros(2, 64), torch.zeros(10, 32))
+        with pytest.raises(KernelInputError, match="multiple of 8"):
+            native.f32_gemm(torch.zeros(2, 12), torch.zeros(10, 12))
+        with pytest.raises(KernelInputError, match="bias"):
+            native.f32_gemm(torch.zeros(2, 64), torch.zeros(10, 64), torch.zeros(9))
+        with pytest.raises(KernelInputError, match="weight must be torch.float32"):
+            native.f32_gemm(torch.zeros(2, 64), torch.zeros(10, 64, dtype=torch.bfloat16))
     with pytest.raises(KernelInputError, match="k % 4"):
         native.pack_int8_weight(torch.zeros(8, 6, dtype=torch.int8))  # fmt: skip
 

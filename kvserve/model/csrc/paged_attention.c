@@ -111,22 +111,6 @@ static inline __m256 load8_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-/* `v` as it is, held in a register: a vector used by several multiply-adds is then loaded once,
- * where the compiler would otherwise fold a load from L1 into each of them. The inner loops
- * below have 16 vector registers for 12 sums and their operands; with the loads folded they
- * issue about 15 loads for 12 multiply-adds, and two loads a cycle then bound them. */
-static inline __m256 in_register(__m256 v) {
-    __asm__("" : "+x"(v));
-    return v;
-}
-
-/* ((v0+v1)+(v2+v3))+((v4+v5)+(v6+v7)) */
-static inline float lanes_sum(__m256 v) {
-    const __m256 h = _mm256_hadd_ps(v, v);
-    const __m256 h2 = _mm256_hadd_ps(h, h);
-    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
-}
-
 /* exp(x) for 8 lanes: exp_approx's polynomial (common.h), 2^n put in the exponent bits. */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
@@ -144,12 +128,6 @@ static inline __m256 exp8(__m256 x) {
     const __m256i bits =
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-}
-
-/* lanes_sum of each of v[0..3], in one vector of 4, by the same tree */
-static inline __m128 lanes_sum4(const __m256 v[4]) {
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
 }
 
 /* Scores of G (a constant, <= 3) query rows against four keys at a time, each key's chunk
