@@ -111,6 +111,9 @@ static inline __m256 load8_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+/* `v` as it is: the compiler may fold its load into the instruction that uses it */
+static inline __m256 as_loaded(__m256 v) { return v; }
+
 /* exp(x) for 8 lanes: exp_approx's polynomial (common.h), 2^n put in the exponent bits. */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
@@ -132,7 +135,7 @@ static inline __m256 exp8(__m256 x) {
 
 /* Scores of G (a constant, <= 3) query rows against four keys at a time, each key's chunk
  * loaded once for the G rows; then each remaining key alone, in the same sums. */
-#define DEFINE_BLOCK_SCORES(NAME, T, LOAD8)                                                         \
+#define DEFINE_BLOCK_SCORES(NAME, T, LOAD8, HOLD)                                                   \
     static inline __attribute__((always_inline)) void NAME##_rows(                               \
         const float *qs, const int G, int64_t hd, const T *keys, int64_t n, float *scores,        \
         int64_t stride) {                                                                         \
@@ -145,9 +148,9 @@ static inline __m256 exp8(__m256 x) {
             for (int64_t c = 0; c < chunks; c++) {                                                \
                 __m256 qv[3];                                                                     \
                 for (int g = 0; g < G; g++)                                                       \
-                    qv[g] = in_register(_mm256_loadu_ps(qs + g * hd + 8 * c));                    \
+                    qv[g] = HOLD(_mm256_loadu_ps(qs + g * hd + 8 * c));                           \
                 for (int k = 0; k < 4; k++) {                                                     \
-                    const __m256 key = in_register(LOAD8(keys + (j + k) * hd + 8 * c));           \
+                    const __m256 key = HOLD(LOAD8(keys + (j + k) * hd + 8 * c));                  \
                     for (int g = 0; g < G; g++)                                                   \
                         acc[g][k] = _mm256_fmadd_ps(qv[g], key, acc[g][k]);                       \
                 }                                                                                 \
@@ -179,7 +182,7 @@ static inline __m256 exp8(__m256 x) {
 
 /* acc[g][:] += probs[g * stride + j] * values[j][:] for the n keys of one block, j in order:
  * G (a constant, <= 3) rows and 32 dimensions at a time, each value chunk loaded once. */
-#define DEFINE_BLOCK_VALUES(NAME, T, LOAD8)                                                         \
+#define DEFINE_BLOCK_VALUES(NAME, T, LOAD8, HOLD)                                                   \
     static inline __attribute__((always_inline)) void NAME##_rows(                               \
         const float *probs, const int G, int64_t stride, int64_t hd, const T *values, int64_t n,  \
         float *acc) {                                                                             \
@@ -191,7 +194,7 @@ static inline __m256 exp8(__m256 x) {
                 __m256 p[3];                                                                      \
                 for (int g = 0; g < G; g++) p[g] = _mm256_broadcast_ss(probs + g * stride + j);   \
                 for (int c = 0; c < 4; c++) {                                                     \
-                    const __m256 v = in_register(LOAD8(values + j * hd + part + 8 * c));          \
+                    const __m256 v = HOLD(LOAD8(values + j * hd + part + 8 * c));                 \
                     for (int g = 0; g < G; g++) a[g][c] = _mm256_fmadd_ps(p[g], v, a[g][c]);      \
                 }                                                                                 \
             }                                                                                     \
@@ -236,7 +239,7 @@ static NOINLINE void row_softmax(float *s, int64_t length) {
 }
 #else
 /* Without AVX2 and FMA: the same structure in plain loops, each sum in order. */
-#define DEFINE_BLOCK_SCORES(NAME, T, LOAD)                                                          \
+#define DEFINE_BLOCK_SCORES(NAME, T, LOAD, HOLD)                                                    \
     static NOINLINE void NAME(const float *qs, int64_t group, int64_t hd, const T *keys,          \
                               int64_t n, float *scores, int64_t stride) {                         \
         for (int64_t j = 0; j < n; j++)                                                           \
@@ -247,7 +250,7 @@ static NOINLINE void row_softmax(float *s, int64_t length) {
             }                                                                                     \
     }
 
-#define DEFINE_BLOCK_VALUES(NAME, T, LOAD)                                                          \
+#define DEFINE_BLOCK_VALUES(NAME, T, LOAD, HOLD)                                                    \
     static NOINLINE void NAME(const float *probs, int64_t group, int64_t stride, int64_t hd,      \
                               const T *values, int64_t n, float *acc) {                           \
         for (int64_t g = 0; g < group; g++)                                                       \
@@ -271,11 +274,19 @@ static NOINLINE void row_softmax(float *s, int64_t length) {
 #define load8_bf16 bf16_to_float
 #endif
 
-DEFINE_BLOCK_SCORES(block_scores_f32, float, load8_f32)
-DEFINE_BLOCK_VALUES(block_values_f32, float, load8_f32)
+/* Each twice, in the same sums: for a tile of several rows, each chunk held in a register for
+ * all the multiply-adds that use it; for a row alone (decode), where K and V come from memory
+ * rather than from a block another row just read, with the loads left to the compiler, which
+ * measured faster there. */
+DEFINE_BLOCK_SCORES(block_scores_f32, float, load8_f32, in_register)
+DEFINE_BLOCK_VALUES(block_values_f32, float, load8_f32, in_register)
+DEFINE_BLOCK_SCORES(row_scores_f32, float, load8_f32, as_loaded)
+DEFINE_BLOCK_VALUES(row_values_f32, float, load8_f32, as_loaded)
 #if !HAVE_BF16_DOT
-DEFINE_BLOCK_SCORES(block_scores_bf16, uint16_t, load8_bf16)
-DEFINE_BLOCK_VALUES(block_values_bf16, uint16_t, load8_bf16)
+DEFINE_BLOCK_SCORES(block_scores_bf16, uint16_t, load8_bf16, in_register)
+DEFINE_BLOCK_VALUES(block_values_bf16, uint16_t, load8_bf16, in_register)
+DEFINE_BLOCK_SCORES(row_scores_bf16, uint16_t, load8_bf16, as_loaded)
+DEFINE_BLOCK_VALUES(row_values_bf16, uint16_t, load8_bf16, as_loaded)
 #endif
 
 /* Floats of working memory a tile of `rows` needs: scaled queries, sums, padded scores. */
@@ -283,8 +294,9 @@ static int64_t float_tile_floats(int64_t rows, int64_t group, int64_t hd, int64_
     return 2 * rows * group * hd + rows * group * ((longest + 7) / 8 * 8);
 }
 
-/* One tile (rows with lengths in increasing order, one table) against one KV head. */
-#define DEFINE_FLOAT_TILE(NAME, T, LOAD, STORE, SCORES, VALUES)                                     \
+/* One tile (rows with lengths in increasing order, one table) against one KV head; a tile of
+ * one row takes ROW_SCORES and ROW_VALUES, the same sums as SCORES and VALUES. */
+#define DEFINE_FLOAT_TILE(NAME, T, LOAD, STORE, SCORES, VALUES, ROW_SCORES, ROW_VALUES)             \
     static void NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,            \
                      const T *k_head, const T *v_head, const int64_t *table,                      \
                      const int64_t *lengths, int64_t rows, int64_t group, int64_t hd,             \
@@ -301,14 +313,16 @@ static int64_t float_tile_floats(int64_t rows, int64_t group, int64_t hd, int64_
                 qs[r * per_row + i] = LOAD(q[r * q_row_stride + i]) * scale;                      \
         }                                                                                         \
         memset(acc, 0, sizeof(float) * rows * per_row);                                           \
+        __typeof__(&SCORES) const scores_of = rows > 1 ? SCORES : ROW_SCORES;                     \
+        __typeof__(&VALUES) const values_of = rows > 1 ? VALUES : ROW_VALUES;                     \
         const int64_t num_used = (longest + block_size - 1) / block_size;                         \
         for (int64_t b = 0; b < num_used; b++) {                                                  \
             const T *keys = k_head + table[b] * block_size * hd;                                  \
             for (int64_t r = rows - 1; r >= 0; r--) {                                             \
                 const int64_t n = lengths[r] - b * block_size;                                    \
                 if (n <= 0) break;                                                                \
-                SCORES(qs + r * per_row, group, hd, keys, n < block_size ? n : block_size,        \
-                       scores[r] + b * block_size, stride[r]);                                    \
+                scores_of(qs + r * per_row, group, hd, keys, n < block_size ? n : block_size,     \
+                          scores[r] + b * block_size, stride[r]);                                 \
             }                                                                                     \
         }                                                                                         \
         for (int64_t r = 0; r < rows; r++)                                                        \
@@ -318,8 +332,8 @@ static int64_t float_tile_floats(int64_t rows, int64_t group, int64_t hd, int64_
             for (int64_t r = rows - 1; r >= 0; r--) {                                             \
                 const int64_t n = lengths[r] - b * block_size;                                    \
                 if (n <= 0) break;                                                                \
-                VALUES(scores[r] + b * block_size, group, stride[r], hd, values,                  \
-                       n < block_size ? n : block_size, acc + r * per_row);                       \
+                values_of(scores[r] + b * block_size, group, stride[r], hd, values,               \
+                          n < block_size ? n : block_size, acc + r * per_row);                    \
             }                                                                                     \
         }                                                                                         \
         for (int64_t r = 0; r < rows; r++)                                                        \
@@ -328,10 +342,10 @@ static int64_t float_tile_floats(int64_t rows, int64_t group, int64_t hd, int64_
     }
 
 DEFINE_FLOAT_TILE(float_tile_f32, float, float_identity, float_identity, block_scores_f32,
-                  block_values_f32)
+                  block_values_f32, row_scores_f32, row_values_f32)
 #if !HAVE_BF16_DOT
 DEFINE_FLOAT_TILE(float_tile_bf16, uint16_t, bf16_to_float, float_to_bf16, block_scores_bf16,
-                  block_values_bf16)
+                  block_values_bf16, row_scores_bf16, row_values_bf16)
 #endif
 
 #if HAVE_BF16_DOT
