@@ -12,11 +12,11 @@ from each checkout (PYTHONPATH=<checkout>, KVSERVE_CACHE_DIR=<a directory of its
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 
+from kvserve.bench.model_bench import best_seconds
 from kvserve.model import native
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 32
@@ -59,22 +59,12 @@ CASES: list[tuple[str, Callable[[torch.dtype], Callable[[], None]]]] = [
 ]
 
 
-def best_ms(call: Callable[[], None], repeats: int) -> float:
-    call()  # the first call builds the kernels and grows the working memory
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - started)
-    return best * 1e3
-
-
 def run(repeats: int = 30, cases=CASES) -> list[tuple[str, str, float]]:
     """(case, dtype, best milliseconds) for each case in float32 and bf16."""
     if native.library() is None:
         raise RuntimeError("the C kernels did not build on this machine")
     return [
-        (name, str(dtype).removeprefix("torch."), best_ms(make(dtype), repeats))
+        (name, str(dtype).removeprefix("torch."), best_seconds(make(dtype), repeats) * 1e3)
         for name, make in cases
         for dtype in (torch.float32, torch.bfloat16)
     ]

@@ -12,12 +12,12 @@ the weights stream from memory as they do in the engine. For each row count, the
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from kvserve.bench.model_bench import best_seconds
 from kvserve.model import native
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
@@ -42,16 +42,6 @@ def _step(weights: list[torch.Tensor], rows: int, product) -> Callable[[], None]
     return call
 
 
-def best_ms(call: Callable[[], None], repeats: int) -> float:
-    call()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - started)
-    return best * 1e3
-
-
 def run(repeats: int = 5, rows=ROWS, weights=None) -> list[tuple[int, float, float]]:
     """(rows, BLAS ms, row product ms) per row count."""
     if not native.f32_gemm_available():
@@ -61,7 +51,9 @@ def run(repeats: int = 5, rows=ROWS, weights=None) -> list[tuple[int, float, flo
     for count in rows:
         blas = _step(weights, count, F.linear)
         ours = _step(weights, count, native.f32_gemm)
-        results.append((count, best_ms(blas, repeats), best_ms(ours, repeats)))
+        results.append(
+            (count, best_seconds(blas, repeats) * 1e3, best_seconds(ours, repeats) * 1e3)
+        )
     return results
 
 

@@ -41,8 +41,9 @@ class ModelBenchResult:
         return asdict(self)
 
 
-def _timed(fn, repeats: int) -> float:
-    """Best-of-`repeats` seconds for one call (after one warm-up call)."""
+def best_seconds(fn, repeats: int) -> float:
+    """Best-of-`repeats` seconds for one call, after one warm-up call (which builds kernels and
+    grows working memory); the benchmarks of kvserve/bench share it."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -73,7 +74,7 @@ def measure_ours(
     ids = torch.randint(0, vocab, (prefill_tokens,), generator=generator).to(device)
     table = tuple(range(-(-prefill_tokens // block_size)))
     meta = build_metadata([_Chunk(0, prefill_tokens, table, True)], block_size, device)
-    prefill = prefill_tokens / _timed(lambda: _sync(model.forward(ids, meta, cache)), repeats)
+    prefill = prefill_tokens / best_seconds(lambda: _sync(model.forward(ids, meta, cache)), repeats)
 
     decode: dict[int, float] = {}
     for num_rows in rows:
@@ -83,7 +84,7 @@ def measure_ours(
         ]
         meta = build_metadata(chunks, block_size, device)
         ids = torch.randint(0, vocab, (num_rows,), generator=generator).to(device)
-        seconds = _timed(lambda m=meta, i=ids: _sync(model.forward(i, m, cache)), repeats)
+        seconds = best_seconds(lambda m=meta, i=ids: _sync(model.forward(i, m, cache)), repeats)
         decode[num_rows] = num_rows / seconds
     return prefill, decode
 
@@ -145,7 +146,7 @@ def measure_reference(
     generator = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
     ids = torch.randint(0, vocab, (1, prefill_tokens), generator=generator).to(device)
-    prefill = prefill_tokens / _timed(lambda: model(ids), 2)
+    prefill = prefill_tokens / best_seconds(lambda: model(ids), 2)
     decode: dict[int, float] = {}
     for num_rows in rows:
         batch = torch.randint(0, vocab, (num_rows, context), generator=generator).to(device)
@@ -161,8 +162,8 @@ def measure_reference(
                 pad_token_id=0,
             )
 
-        first = _timed(lambda: run(1), 1)
-        full = _timed(lambda: run(new_tokens), 1)
+        first = best_seconds(lambda: run(1), 1)
+        full = best_seconds(lambda: run(new_tokens), 1)
         decode[num_rows] = num_rows * (new_tokens - 1) / max(full - first, 1e-9)
     return prefill, decode
 
