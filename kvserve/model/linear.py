@@ -55,6 +55,7 @@ def can_use_row_product(weight: torch.Tensor, bias: torch.Tensor | None) -> bool
         and weight.dtype == torch.float32
         and weight.dim() == 2
         and weight.is_contiguous()
+        and weight.shape[1] > 0
         and weight.shape[1] % 8 == 0
         and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
         and native.f32_gemm_available()
