@@ -7,7 +7,7 @@ what `F.linear` does. torch exposes that through its mkldnn ops; they are checke
 
 With float32 weights on the CPU, products of up to ROW_PRODUCT_ROWS rows (decode steps, short
 chunks) go to kvserve's own row product (kvserve/model/csrc/f32_gemm.c): the BLAS streams the
-weights at a quarter to a half of the memory's speed for so few rows, and its result for a row
+weights at a tenth to a third of the memory's speed for so few rows, and its result for a row
 changes with the number of rows beside it (1-3 rows against 4 or more), where the kernel's does
 not. Larger products keep the BLAS.
 """

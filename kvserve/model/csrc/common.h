@@ -99,10 +99,10 @@ DEFINE_ROTATE_HEADS(rotate_heads_bf16, uint16_t, bf16_to_float, float_to_bf16)
 #include <immintrin.h>
 
 /* `v` as it is, held in a register: a vector used by several multiply-adds is then loaded once,
- * where the compiler would otherwise fold a load from L1 into each of them. In the inner loops
- * of paged attention and of the float32 row products (16 vector registers for 12 sums and
- * their operands) the folded loads were about 15 for 12 multiply-adds, and two loads a cycle
- * then bound them. */
+ * where the compiler would otherwise fold a load from L1 into each of them. In paged
+ * attention's inner loops (12 sums and their operands in the 16 vector registers) the folded
+ * loads were about 15 for 12 multiply-adds, and two loads a cycle then bound them; the float32
+ * row product holds its weight and row chunks the same way. */
 static inline __m256 in_register(__m256 v) {
     __asm__("" : "+x"(v));
     return v;

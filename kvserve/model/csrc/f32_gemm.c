@@ -1,7 +1,7 @@
 /*
  * float32 products of a few rows with a fixed weight, out = x w^T + bias: the row counts of
- * decode steps, where the BLAS's small-row path streams the weights at a quarter of the
- * memory's speed on the CPUs measured (docs/benchmarks.md). Such a product is bound by reading
+ * decode steps, where the BLAS's small-row path streams the weights at a tenth to a third of
+ * the memory's speed on the CPU measured (4-10 GB/s against 29; docs/benchmarks.md). Such a product is bound by reading
  * the weight, so each weight row is read once per call, for every row of x: the columns are cut
  * into panels of four weight rows (a task each), and a panel, once loaded, stays in L1 while
  * the rows of x go past it two at a time.
