@@ -42,7 +42,7 @@ class DeviceConfig:
     dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
     num_threads: int | None = None  # torch intra-op threads on CPU; None = number of cores
     # "auto" (int8 for an already quantized checkpoint where the CPU kernels run, else none) |
-    # "none" (the model's dtype) | "int8" (int8 linear layers, kvserve/model/quant.py)
+    # "none" (the model's dtype) | "int8" (int8 linear layers, kvserve/model/linear/int8.py)
     quantization: str = "auto"
     # Prepared int8 weights cached on disk and memory-mapped at the next start
     # (kvserve/model/weight_cache.py); the directory defaults to $KVSERVE_WEIGHT_CACHE_DIR, else

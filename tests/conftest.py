@@ -23,6 +23,14 @@ def prepared_weight_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def kernels():
+    """This process's CPU kernels (kvserve.model.kernels.load_kernels): built once, shared."""
+    from kvserve.model.kernels import load_kernels
+
+    return load_kernels()
+
+
+@pytest.fixture(scope="session")
 def model_path():
     from kvserve.model.paths import default_model_path
 
@@ -37,6 +45,28 @@ def loaded_fp32():
     from kvserve.model.loader import load_model
 
     return load_model(None, DeviceConfig(device="cpu", dtype="float32", quantization="none"))
+
+
+def _torch_ops(dtype: str):
+    from kvserve.config import DeviceConfig
+    from kvserve.model.kernels import CpuKernels
+    from kvserve.model.loader import load_model
+
+    none = CpuKernels.none("kernels left out by the test")
+    return load_model(None, DeviceConfig(device="cpu", dtype=dtype, quantization="none"), none)
+
+
+@pytest.fixture(scope="session")
+def loaded_fp32_torch_ops():
+    """The default model in float32 with no CPU kernels at all: torch ops only, what a machine
+    without a C compiler runs (and the CUDA path's ops on the CPU)."""
+    return _torch_ops("float32")
+
+
+@pytest.fixture(scope="session")
+def loaded_bf16_torch_ops(loaded_bf16):
+    """As loaded_fp32_torch_ops in the machine's float dtype (that of loaded_bf16)."""
+    return _torch_ops(str(loaded_bf16.dtype).removeprefix("torch."))
 
 
 @pytest.fixture(scope="session")

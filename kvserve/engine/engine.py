@@ -297,7 +297,11 @@ class Engine:
         self._signal: CapacitySignal | None = None
         self.scheduler: Scheduler | None = None
         self.queue = AdmissionQueue.from_config(config.queue, config.scheduler.max_num_seqs)
-        self.batch = Batch(self.loaded.model, self.kv_cache, Sampler(seed=config.seed))
+        self.batch = Batch(
+            self.loaded.model,
+            self.kv_cache,
+            Sampler(seed=config.seed, kernels=self.loaded.kernels),
+        )
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
         self._requests: dict[str, RequestState] = {}
         self._choices: dict[str, tuple[RequestState, Choice]] = {}  # by sequence id

@@ -87,7 +87,7 @@ def choose_cache_dtype(requested: str, model) -> tuple[torch.dtype, str]:
         return model.dtype, "asked for"
     if requested == "int8":
         if not model.supports_int8_kv_cache:
-            from kvserve.model.llama import KV_INT8_REQUIREMENTS
+            from kvserve.model.attention import KV_INT8_REQUIREMENTS
 
             raise ValueError(KV_INT8_REQUIREMENTS)
         return torch.int8, "asked for"

@@ -14,8 +14,9 @@ import torch
 from tqdm import tqdm
 
 from kvserve.config import DeviceConfig
-from kvserve.model import device_thread, native, native_q4
+from kvserve.model import device_thread
 from kvserve.model.config import ModelConfig
+from kvserve.model.kernels import CpuKernels, load_kernels
 from kvserve.model.llama import LlamaModel
 from kvserve.model.paths import DEFAULT_MODEL_NAME, default_model_path, resolve_model_path
 
@@ -89,11 +90,12 @@ def choose_quantization(
     *,
     dtype_asked: bool = False,
     q4_unsupported: str | None = None,
+    kernels: CpuKernels | None = None,
 ) -> tuple[str, str]:
     """Resolve `--quantization` to "none", "int8" or "q4", with the reason in a few words.
 
     `q4_unsupported` says why `--quantization q4` (the file's 4-bit blocks kept in memory, see
-    kvserve/model/quant4.py) cannot run this checkpoint here; None: it can. `auto` does not pick
+    kvserve/model/linear/q4.py) cannot run this checkpoint here; None: it can. `auto` does not pick
     it: its products take twice the integer multiplies of int8's, so prefill and many streams at
     once run at about half int8's speed, for twice the speed at one stream (docs/serving.md).
 
@@ -116,34 +118,42 @@ def choose_quantization(
     quantized = sorted(set(tensor_types) - FLOAT_TENSOR_TYPES)
     if not quantized:
         return "none", f"auto: the checkpoint is float ({'/'.join(tensor_types)}), kept as it is"
-    if not native.supports(
-        device, dtype, config.num_heads, config.num_kv_heads, config.head_dim
-    ) or not hasattr(torch, "_int_mm"):
+    if (
+        kernels is None
+        or not kernels.supports(
+            device, dtype, config.num_heads, config.num_kv_heads, config.head_dim
+        )
+        or not kernels.has("quant_ops")
+        or not hasattr(torch, "_int_mm")
+    ):
         return "none", (
             f"auto: the checkpoint is quantized ({'/'.join(quantized)}) but the CPU kernels do "
             f"not run it here ({device.type}, {str(dtype).removeprefix('torch.')}, "
             f"head_dim {config.head_dim})"
         )
-    if not native.int8_gemm_available():
+    if not kernels.int8_gemm_isa:
         return "none", (
             f"auto: the checkpoint is quantized ({'/'.join(quantized)}) but kvserve's int8 "
             "product kernel does not run on this CPU (torch._int_mm is slower than float here)"
         )
     return "int8", (
         f"auto: the checkpoint is quantized ({'/'.join(quantized)}); int8 products by "
-        f"{native.int8_gemm_isa()}"
+        f"{kernels.int8_gemm_isa}"
     )
 
 
-def missing_kernels(quantization: str, int8_kv_cache: bool) -> str | None:
+def missing_kernels(
+    quantization: str, int8_kv_cache: bool, kernels: CpuKernels | None = None
+) -> str | None:
     """Why this CPU cannot run a configuration's C kernels (they were not built here), or None.
     int8 linear layers need AVX512-VNNI or AVX2; the int8 KV cache and 4-bit blocks need
     AVX512-VNNI."""
-    if int8_kv_cache and not native.kv_int8_available():
+    kernels = kernels or load_kernels()
+    if int8_kv_cache and not kernels.kv_int8:
         return "the int8 KV cache needs AVX512-VNNI"
-    if quantization == "int8" and not native.int8_gemm_available():
+    if quantization == "int8" and not kernels.int8_gemm_isa:
         return "int8 linear layers need AVX512-VNNI or AVX2"
-    if quantization == "q4" and not native_q4.q4_available():
+    if quantization == "q4" and not kernels.q4:
         return "4-bit blocks need AVX512-VNNI"
     return None
 
@@ -199,6 +209,7 @@ class LoadedModel:
     # The prepared-weight cache at this load: "hit", "written", "rebuilt" (a corrupt file was
     # replaced), "unwritten" (could not write), "off" (disabled or nothing to prepare).
     weight_cache: str = "off"
+    kernels: CpuKernels | None = None  # the CPU kernels the model runs on (None on CUDA)
 
     def summary(self) -> str:
         cfg = self.config
@@ -213,14 +224,21 @@ class LoadedModel:
         )
 
 
-def load_model(model: str | None, device_config: DeviceConfig = DeviceConfig()) -> LoadedModel:
+def load_model(
+    model: str | None,
+    device_config: DeviceConfig = DeviceConfig(),
+    kernels: CpuKernels | None = None,
+) -> LoadedModel:
     """Load weights and tokenizer. `model` is None (the embedded default), a .gguf file or a
-    Hugging Face directory. Nothing is ever downloaded. Runs on the device thread (see
+    Hugging Face directory. Nothing is ever downloaded. `kernels`: the CPU kernels to run on
+    (default: this process's, `load_kernels()`). Runs on the device thread (see
     kvserve.model.device_thread), whichever thread calls it."""
-    return device_thread.call(_load_model, model, device_config)
+    return device_thread.call(_load_model, model, device_config, kernels)
 
 
-def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
+def _load_model(
+    model: str | None, device_config: DeviceConfig, kernels: CpuKernels | None
+) -> LoadedModel:
     from kvserve.tokenizer import Tokenizer
 
     started = time.perf_counter()
@@ -229,6 +247,9 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
     dtype = resolve_dtype(device_config.dtype, device)
     if device.type == "cpu":
         configure_threads(device_config.num_threads)
+        kernels = kernels or load_kernels()
+    else:
+        kernels = None
     if path.is_dir():
         from kvserve.model.safetensors import SafetensorsCheckpoint
 
@@ -244,9 +265,9 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
     config = checkpoint.config
     q4_unsupported = None
     if device_config.quantization == "q4":
-        from kvserve.model import quant4
+        from kvserve.model.linear import q4
 
-        q4_unsupported = quant4.unsupported(checkpoint, config, device)
+        q4_unsupported = q4.unsupported(checkpoint, config, kernels, device)
     quantization, reason = choose_quantization(
         device_config.quantization,
         checkpoint.quantization,
@@ -255,6 +276,7 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
         dtype,
         dtype_asked=device_config.dtype != "auto",
         q4_unsupported=q4_unsupported,
+        kernels=kernels,
     )
 
     def prepare() -> LlamaModel:
@@ -266,7 +288,9 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
             leave=False,
         ) as bar:
             if quantization == "q4":
-                return LlamaModel.from_q4(config, checkpoint, dtype=dtype, progress=bar.update)
+                return LlamaModel.from_q4(
+                    config, checkpoint, dtype=dtype, kernels=kernels, progress=bar.update
+                )
             return LlamaModel.from_tensors(
                 config,
                 checkpoint.get,
@@ -274,6 +298,7 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
                 device=device,
                 progress=bar.update,
                 quantization=quantization,
+                kernels=kernels,
             )
 
     cache = None
@@ -281,7 +306,9 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
         from kvserve.model.weight_cache import WeightCache
 
         cache = WeightCache(device_config.weight_cache_dir)
-    llama, cache_status = _prepared_model(cache, path, config, quantization, dtype, device, prepare)
+    llama, cache_status = _prepared_model(
+        cache, path, config, quantization, dtype, device, prepare, kernels
+    )
     loaded = LoadedModel(
         model=llama,
         tokenizer=tokenizer,
@@ -294,6 +321,7 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
         quantization=list(checkpoint.quantization),
         quantization_reason=reason,
         weight_cache=cache_status,
+        kernels=kernels,
     )
     log.info(loaded.summary())
     return loaded
@@ -307,6 +335,7 @@ def _prepared_model(
     dtype: torch.dtype,
     device: torch.device,
     prepare,
+    kernels: CpuKernels | None,
 ) -> tuple[LlamaModel, str]:
     """The model from the prepared-weight cache when it has it, else `prepare()` (then
     cached). Returns the model and what the cache did (see LoadedModel.weight_cache)."""
@@ -319,14 +348,14 @@ def _prepared_model(
         quantization=quantization,
         dtype=dtype,
         device=device,
-        packed=native.int8_gemm_available(),
+        packed=bool(kernels is not None and kernels.int8_gemm_isa),
     )
     status = "written"
     try:
         found = cache.load(key)
         if found is not None:
             try:
-                return LlamaModel.from_prepared(config, *found), "hit"
+                return LlamaModel.from_prepared(config, *found, kernels=kernels), "hit"
             except (KeyError, ValueError, RuntimeError) as exc:
                 cache.discard(key, exc)
                 status = "rebuilt"

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from kvserve.model import native
+from kvserve.model.kernels import load_kernels
 from kvserve.model.loader import cpu_has_bf16
 
 pytestmark = pytest.mark.slow
@@ -216,7 +216,7 @@ def test_serve_subprocess(stop_signal, int8):
         dtype = "bfloat16" if cpu_has_bf16() else "float32"
         if int8:  # the banner says what auto chose, and why, in one line
             assert "precision: linear layers int8 (auto: the checkpoint is quantized" in banner
-            cache = "int8" if native.kv_int8_available() else dtype
+            cache = "int8" if load_kernels().kv_int8 else dtype
             assert f"KV cache {cache} (auto:" in banner
         else:
             assert f"precision: linear layers {dtype} (asked for); KV cache {dtype}" in banner

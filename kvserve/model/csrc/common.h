@@ -1,7 +1,7 @@
 /*
  * Helpers shared by the CPU kernels: bf16 <-> float conversion and a vectorizable exp.
  * Everything is static inline and branch-free so the loops that call it vectorize
- * (with -fno-math-errno -fno-trapping-math, see kvserve/model/native.py).
+ * (with -fno-math-errno -fno-trapping-math, see kvserve/model/kernel_build.py).
  */
 #ifndef KVSERVE_COMMON_H
 #define KVSERVE_COMMON_H

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "attention.h"
 
 #define MAX_GROUP 16
 #define TILE_ROWS 16

@@ -1,5 +1,5 @@
 /*
- * Products with weights kept in 4-bit blocks (`--quantization q4`, kvserve/model/quant4.py), with
+ * Products with weights kept in 4-bit blocks (`--quantization q4`, kvserve/model/linear/q4.py), with
  * AVX512-VNNI: the weights stay 4 bits in memory and are unpacked in registers, so a decode step,
  * which reads every weight once, reads about half the bytes of int8 weights.
  *
@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "q4.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>

@@ -1,5 +1,5 @@
 /*
- * Elementwise kernels of the int8 linear path (see kvserve/model/quant.py), each fusing what
+ * Elementwise kernels of the int8 linear path (see kvserve/model/linear/int8.py), each fusing what
  * sits between two integer matrix products:
  *
  *   quantize_rows     q, s = per-row symmetric int8 of x (the attention output)
@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "quant_ops.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

@@ -1,7 +1,7 @@
 """Weights kept in their 4-bit blocks (`--quantization q4`): GGUF's Q4_0 and Q4_1 as they are.
 
 A decode step reads every weight once, so at small batch sizes its time is the bytes it reads.
-The int8 path (kvserve/model/quant.py) rotates and re-quantizes the weights to int8: twice the
+The int8 path (kvserve/model/linear/int8.py) rotates and re-quantizes the weights to int8: twice the
 bytes of a 4-bit file. Here the file's blocks are kept, exactly, only reordered for the VNNI
 kernel (kvserve/model/csrc/q4_gemm.c), which unpacks them in registers: 32 weights of one output
 column share a float16 scale d (and for Q4_1 an offset m), w = d * q + m with q in 0..15.
@@ -13,7 +13,7 @@ activations, as in llama.cpp.
 
 The lm_head (the tied embedding, a float tensor here) is rotated and quantized to int8 per output
 channel to pick each row's best candidates, which are then recomputed exactly in float32 (as on
-the int8 path, kvserve/model/quant.py).
+the int8 path, kvserve/model/linear/int8.py; kvserve/model/head.py).
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.model import native_q4
-from kvserve.model.config import require_tensor
-from kvserve.model.native_q4 import BLOCK, NIBBLE_BYTES, PANEL
-from kvserve.model.quant import Int8Weight, residual_rotation
+from kvserve.model.kernels import Q4_BLOCK as BLOCK
+from kvserve.model.kernels import Q4_NIBBLE_BYTES as NIBBLE_BYTES
+from kvserve.model.kernels import Q4_PANEL as PANEL
+from kvserve.model.kernels import CpuKernels, check_q4_packed
 
 # GGUF block sizes in bytes: Q4_0 = d (float16) + 16 bytes of nibbles; Q4_1 adds m (float16).
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 FORMATS = frozenset(BLOCK_BYTES)
-_LAYER_WEIGHTS = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,15 +115,40 @@ def pack(blocks: Blocks) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=2)))
 
 
+class Q4Format:
+    """Activations in two-part int8 blocks of 32 (about 12 bits a value; csrc/q4_gemm.c)."""
+
+    __slots__ = ("kernels",)
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self.kernels = kernels
+
+    def normed(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.kernels.add_rmsnorm_qb(x, delta, weight, eps)
+
+    def rows(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.kernels.quantize_blocks(t)
+
+    def gated(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.kernels.silu_mul_qb(gate_up)
+
+
 @dataclass(slots=True)
-class Q4Weight:
+class Q4Linear:
+    """A weight kept in its GGUF 4-bit blocks, packed for csrc/q4_gemm.c. Its products are
+    float32 ([rows, out]); `dense` adds the bias (in float32, as the driver does)."""
+
     packed: torch.Tensor  # uint8 [panels, k / 32, record bytes]
     out_features: int
     asym: bool  # Q4_1 (d and m per block) rather than Q4_0 (d)
     bias: torch.Tensor | None = None  # [out] float32
+    input: Q4Format | None = None
+    kernels: CpuKernels | None = None
 
     @classmethod
-    def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None = None) -> Q4Weight:
+    def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None = None, **fields) -> Q4Linear:
         n, k = blocks.shape
         if k % BLOCK or n <= 0:
             raise ValueError(f"a [{n}, {k}] weight is not whole 4-bit blocks")
@@ -133,102 +157,53 @@ class Q4Weight:
             n,
             blocks.qtype == "Q4_1",
             None if bias is None else bias.float().contiguous(),
+            **fields,
         )
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[1] * BLOCK
 
     @property
     def num_bytes(self) -> int:
         tensors = [self.packed, self.bias]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    def matmul(self, q: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
-        """Block-quantized rows (see `native.quantize_blocks`) times the weight's transpose:
-        [rows, out] float32."""
-        return native_q4.q4_gemm(q, scales, sums, self.packed, self.out_features, self.asym)
+    def apply(self, h: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Block-quantized rows (`Q4Format`) times the weight's transpose: [rows, out] float32."""
+        q, scales, sums = h
+        return self.kernels.q4_gemm(q, scales, sums, self.packed, self.out_features, self.asym)
 
+    def dense(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
 
-@dataclass(slots=True)
-class Q4Layer:
-    qkv: Q4Weight  # q|k|v rows (Hugging Face order), with the q|k|v bias where the model has one
-    o: Q4Weight
-    gate_up: Q4Weight  # gate rows, then up rows
-    down: Q4Weight
-    attn_norm: torch.Tensor  # [hidden] float32
-    mlp_norm: torch.Tensor  # [hidden] float32
-    qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim] float32, or None
+    def check(self, n: int, k: int) -> None:
+        """Refuse (KernelInputError) a weight that is not [n, k] as packed."""
+        check_q4_packed(self.packed, n, k, self.asym)
 
+    def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        tensors = {f"{prefix}.packed": self.packed}
+        if self.bias is not None:
+            tensors[f"{prefix}.bias"] = self.bias
+        return tensors
 
-@dataclass(slots=True)
-class Q4Weights:
-    layers: list[Q4Layer]
-    # The int8 lm_head that picks each row's candidates: final norm folded in, in the basis of
-    # `rotation`. The last hidden states carry a few huge channels; rotated, they spread over
-    # all channels, so one int8 scale per row keeps the rest (as on the int8 path).
-    head: Int8Weight
-    rotation: torch.Tensor  # [hidden, hidden] float32
-    native_layers: object = None  # the C driver's table (kvserve.model.native_q4)
-
-    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-        """Every tensor by name, and the integers that complete them (for the weight cache)."""
-        tensors = {"rotation": self.rotation} | self.head.to_tensors("head")
-        numbers = {"num_layers": len(self.layers)}
-        for index, layer in enumerate(self.layers):
-            prefix = f"layers.{index}"
-            for name in _LAYER_WEIGHTS:
-                weight = getattr(layer, name)
-                tensors[f"{prefix}.{name}.packed"] = weight.packed
-                if weight.bias is not None:
-                    tensors[f"{prefix}.{name}.bias"] = weight.bias
-                numbers[f"{prefix}.{name}.n"] = weight.out_features
-                numbers[f"{prefix}.{name}.asym"] = int(weight.asym)
-            for name in ("attn_norm", "mlp_norm", "qk_norm"):
-                if getattr(layer, name) is not None:
-                    tensors[f"{prefix}.{name}"] = getattr(layer, name)
-        return tensors, numbers
+    def numbers(self, prefix: str) -> dict[str, int]:
+        return {f"{prefix}.n": self.out_features, f"{prefix}.asym": int(self.asym)}
 
     @classmethod
     def from_tensors(
-        cls, tensors: dict[str, torch.Tensor], numbers: dict[str, int], config
-    ) -> Q4Weights:
-        """The inverse of `to_tensors` (the tensors are used where they lie: memory-mapped);
-        the C layer table is rebuilt and checked against the model's shapes."""
-        layers = []
-        for index in range(numbers["num_layers"]):
-            prefix = f"layers.{index}"
-            weights = {
-                name: Q4Weight(
-                    tensors[f"{prefix}.{name}.packed"],
-                    int(numbers[f"{prefix}.{name}.n"]),
-                    bool(numbers[f"{prefix}.{name}.asym"]),
-                    tensors.get(f"{prefix}.{name}.bias"),
-                )
-                for name in _LAYER_WEIGHTS
-            }
-            layers.append(
-                Q4Layer(
-                    **weights,
-                    attn_norm=tensors[f"{prefix}.attn_norm"],
-                    mlp_norm=tensors[f"{prefix}.mlp_norm"],
-                    qk_norm=tensors.get(f"{prefix}.qk_norm"),
-                )
-            )
-        weights = cls(layers, Int8Weight.from_tensors(tensors, "head"), tensors["rotation"])
-        weights.native_layers = native_q4.q4_layer_table(layers, config)
-        return weights
-
-    @property
-    def num_bytes(self) -> int:
-        return (
-            self.head.num_bytes
-            + self.rotation.numel() * 4
-            + sum(
-                w.num_bytes
-                for layer in self.layers
-                for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
-            )
+        cls, tensors: dict[str, torch.Tensor], numbers: dict[str, int], prefix: str, **fields
+    ) -> Q4Linear:
+        return cls(
+            tensors[f"{prefix}.packed"],
+            int(numbers[f"{prefix}.n"]),
+            bool(numbers[f"{prefix}.asym"]),
+            tensors.get(f"{prefix}.bias"),
+            **fields,
         )
 
 
-_PROJECTIONS = {
+PROJECTIONS = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "o": ("self_attn.o_proj",),
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
@@ -236,7 +211,9 @@ _PROJECTIONS = {
 }
 
 
-def unsupported(checkpoint, config, device: torch.device | None = None) -> str | None:
+def unsupported(
+    checkpoint, config, kernels: CpuKernels | None, device: torch.device | None = None
+) -> str | None:
     """Why the 4-bit path cannot run this checkpoint (on `device`), or None when it can: every
     linear weight of every layer must be Q4_0 or Q4_1 in a GGUF file, the widths whole blocks,
     and the device a CPU with AVX512-VNNI."""
@@ -254,64 +231,36 @@ def unsupported(checkpoint, config, device: torch.device | None = None) -> str |
     types = {
         checkpoint.tensor_type(f"model.layers.{i}.{name}.weight")
         for i in range(config.num_layers)
-        for names in _PROJECTIONS.values()
+        for names in PROJECTIONS.values()
         for name in names
     }
     if not types <= FORMATS:
         return f"its layers' weights are {'/'.join(sorted(map(str, types)))}, not all Q4_0/Q4_1"
     # The file's own reasons first: they hold on every machine.
-    if not native_q4.q4_available():
+    if kernels is None or not kernels.q4:
         return "the CPU has no AVX512-VNNI (or no C compiler)"
     return None
 
 
-def load_layers(checkpoint, config, progress=None) -> list[Q4Layer]:
-    """Every layer's weights from a GGUF checkpoint whose layers are Q4_0/Q4_1 (see
-    `unsupported`), packed for the kernel; the small float tensors (norms, biases) as float32."""
-
-    def need(name: str) -> torch.Tensor:
-        return require_tensor(checkpoint.get, name).float().contiguous()
-
-    def weight(prefix: str, names: tuple[str, ...], bias: bool = False) -> Q4Weight:
-        parts = [
-            Blocks(
-                checkpoint.tensor_type(f"{prefix}{n}.weight"),
-                checkpoint.raw_rows(f"{prefix}{n}.weight"),
-            )
-            for n in names
-        ]
-        biases = torch.cat([need(f"{prefix}{n}.bias") for n in names]) if bias else None
-        return Q4Weight.from_blocks(fuse(parts), biases)
-
-    layers = []
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        qk_norm = None
-        if config.qk_norm:
-            qn, kn = need(p + "self_attn.q_norm.weight"), need(p + "self_attn.k_norm.weight")
-            qk_norm = torch.cat(
-                [qn.expand(config.num_heads, -1), kn.expand(config.num_kv_heads, -1)]
-            ).contiguous()
-        layers.append(
-            Q4Layer(
-                qkv=weight(p, _PROJECTIONS["qkv"], bias=config.attention_bias),
-                o=weight(p, _PROJECTIONS["o"]),
-                gate_up=weight(p, _PROJECTIONS["gate_up"]),
-                down=weight(p, _PROJECTIONS["down"]),
-                attn_norm=need(p + "input_layernorm.weight"),
-                mlp_norm=need(p + "post_attention_layernorm.weight"),
-                qk_norm=qk_norm,
-            )
+def load_projection(
+    checkpoint, prefix: str, names: tuple[str, ...], kernels: CpuKernels, *, bias: bool = False
+) -> Q4Linear:
+    """The fused product of `names` (e.g. q, k, v) of a layer, its blocks packed."""
+    parts = [
+        Blocks(
+            checkpoint.tensor_type(f"{prefix}{n}.weight"),
+            checkpoint.raw_rows(f"{prefix}{n}.weight"),
         )
-        if progress:
-            progress(1)
-    return layers
+        for n in names
+    ]
+    biases = None
+    if bias:
+        biases = torch.cat([require_float(checkpoint, f"{prefix}{n}.bias") for n in names])
+    return Q4Linear.from_blocks(fuse(parts), biases, input=Q4Format(kernels), kernels=kernels)
 
 
-def prepare(config, layers: list[Q4Layer], norm: torch.Tensor, lm_head: torch.Tensor) -> Q4Weights:
-    """The 4-bit model: its layers, the int8 head and the C driver's table."""
-    residual = residual_rotation(config.hidden_size)
-    head = Int8Weight.quantize(residual.right(lm_head.float() * norm[None, :]))
-    weights = Q4Weights(layers, head, residual.matrix().contiguous())
-    weights.native_layers = native_q4.q4_layer_table(layers, config)
-    return weights
+def require_float(checkpoint, name: str) -> torch.Tensor:
+    tensor = checkpoint.get(name)
+    if tensor is None:
+        raise ValueError(f"checkpoint is missing tensor {name!r}")
+    return tensor.float().contiguous()
