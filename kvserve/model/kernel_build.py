@@ -318,7 +318,12 @@ def cpu_flags() -> frozenset[str]:
 
 
 def find_compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    """$CC when set (None if it names no program: the compiler asked for is missing), else cc
+    or gcc on the PATH."""
+    asked = os.environ.get("CC")
+    if asked:
+        return shutil.which(asked)
+    return shutil.which("cc") or shutil.which("gcc")
 
 
 def writable_directory(preferred: Path) -> tuple[Path | None, str | None]:
@@ -376,7 +381,7 @@ def build(
     compiler = compiler or find_compiler()
     if compiler is None:
         for family in families:
-            result.failures[family.name] = "no C compiler (cc or gcc, or $CC)"
+            result.failures[family.name] = "no C compiler (cc or gcc on the PATH, or $CC)"
         return result
     target, warning = writable_directory(directory or default_directory())
     if warning:
@@ -400,11 +405,14 @@ def build(
             return source, obj, None
         with tempfile.TemporaryDirectory(dir=target) as tmp:
             built = Path(tmp) / obj.name
-            run = subprocess.run(
-                [compiler, *FLAGS, "-c", str(csrc / source), "-o", str(built)],
-                capture_output=True,
-                text=True,
-            )
+            try:
+                run = subprocess.run(
+                    [compiler, *FLAGS, "-c", str(csrc / source), "-o", str(built)],
+                    capture_output=True,
+                    text=True,
+                )
+            except OSError as exc:
+                return source, None, f"running {compiler} failed: {exc}"
             if run.returncode != 0:
                 return source, None, f"compiling {source} failed: {_first_error(run.stderr)}"
             os.replace(built, obj)  # atomic: concurrent builders never see a partial file

@@ -211,6 +211,20 @@ class LoadedModel:
     weight_cache: str = "off"
     kernels: CpuKernels | None = None  # the CPU kernels the model runs on (None on CUDA)
 
+    def describe_kernels(self) -> str:
+        """The CPU kernels built for this model's run, and how its layers and attention run."""
+        model = self.model
+        kernels = self.kernels.describe() if self.kernels is not None else "CPU kernels: not used"
+        return f"{kernels}\n  layers: {model.driver_reason}; attention: {model.attention.name}"
+
+    def kernels_status(self) -> dict:
+        """The same as plain values (GET /ready's body)."""
+        return {
+            "kernels": None if self.kernels is None else self.kernels.as_dict(),
+            "layers": self.model.driver_reason,
+            "attention": self.model.attention.name,
+        }
+
     def summary(self) -> str:
         cfg = self.config
         return (

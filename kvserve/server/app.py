@@ -133,7 +133,8 @@ def create_app(
     @app.get("/ready", responses={200: schemas.json_response(schemas.Status), **errors(503)})
     async def ready() -> Response:
         if state.ready:
-            return json_response({"status": "ready", "model": state.model_name})
+            body = {"status": "ready", "model": state.model_name}
+            return json_response(body | state.engine.loaded.kernels_status())
         if state.load_error is not None:
             return json_response({"status": "failed", "error": str(state.load_error)}, 503)
         return json_response({"status": "loading"}, 503)

@@ -87,6 +87,7 @@ def banner(engine: Engine, model_name: str, url: str, server_config: ServerConfi
             f"kvserve: serving '{model_name}'",
             f"  model: {engine.loaded.summary()}",
             f"  {engine.describe_precision()}",
+            f"  {engine.loaded.describe_kernels()}",
             f"  {pool.describe()}",
             f"  pool bytes: {pool.num_blocks} blocks x {pool.bytes_per_block} bytes "
             f"= {pool.num_bytes} bytes",

@@ -189,6 +189,11 @@ class Status(BaseModel):
     status: str
     model: str | None = None
     error: str | None = None
+    # /ready: the CPU kernels built here (families, failures, instruction sets, paths) and how
+    # the model's layers and attention run
+    kernels: dict[str, Any] | None = None
+    layers: str | None = None
+    attention: str | None = None
 
 
 _ERROR_DESCRIPTIONS = {
