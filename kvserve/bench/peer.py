@@ -2,7 +2,8 @@
 
 Built once from the `llama-cpp-python` sdist's vendored llama.cpp (a pinned, reproducible
 source that PyPI serves): cmake Release, `GGML_NATIVE=ON` (this CPU's instruction set),
-`LLAMA_CURL=OFF`, `LLAMA_OPENSSL=OFF`, static libraries so the one binary runs from anywhere.
+`LLAMA_CURL=OFF`, `LLAMA_OPENSSL=OFF`, static libraries so the one binary runs from anywhere,
+no web UI (its assets would be downloaded).
 The binary lands in `<user cache dir>/peer/llama-cpp-python-<version>/bin/llama-server`
 beside a stamp of what it was built from (version, flags, the CPU's flags); a later `build`
 with the same stamp returns it at once. Sources and build tree are deleted after the build.
@@ -48,6 +49,10 @@ CMAKE_FLAGS = (
     "-DLLAMA_OPENSSL=OFF",
     "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
+    # Nothing downloaded at configure time: without these llama.cpp's cmake fetches the web
+    # UI's assets from a Hugging Face bucket, and the examples' test models.
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
 TARGET = "llama-server"
 
