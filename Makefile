@@ -36,7 +36,7 @@ browser:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
 # The real model the tests hold to transformers (tests/model/test_real_qwen.py): pulled once
-# into the models directory ($$KVSERVE_MODELS, default ~/.cache/kvserve/models) and verified;
+# into the models directory (KVSERVE_MODELS, default ~/.cache/kvserve/models) and verified;
 # later runs find it there.
 test-models: install
 	$(VENV)/bin/kvserve pull qwen2.5-coder:0.5b
