@@ -10,7 +10,7 @@ ARGS ?=
 export OMP_NUM_THREADS ?= $(shell nproc)
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install browser serve test bench lint format clean
+.PHONY: install browser test-models serve test bench lint format clean
 
 install: $(STAMP)
 
@@ -35,7 +35,13 @@ browser:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
-test: install browser
+# The real model the tests hold to transformers (tests/model/test_real_qwen.py): pulled once
+# into the models directory (KVSERVE_MODELS, default ~/.cache/kvserve/models) and verified;
+# later runs find it there.
+test-models: install
+	$(VENV)/bin/kvserve pull qwen2.5-coder:0.5b
+
+test: install browser test-models
 	$(PY) -m pytest $(ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 

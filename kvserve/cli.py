@@ -27,6 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvserve.server.cli", "run the OpenAI-compatible HTTP server"),
     "cluster": ("kvserve.cluster.cli", "run N engine replicas on Ray Serve behind one endpoint"),
     "generate": ("kvserve.engine.generate_cli", "generate text for a prompt, streamed"),
+    "pull": ("kvserve.hub.pull_cli", "fetch a catalogue model into the models directory"),
+    "list": ("kvserve.hub.list_cli", "list the models present, with their sizes"),
     "bench": ("kvserve.bench.loadgen", "load-test an OpenAI-compatible server"),
     "simulate": ("kvserve.sim.cli", "run the scheduling simulator"),
 }
@@ -59,11 +61,21 @@ def _optional_int(text: str) -> int | None:
 def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
     """Flags shared by every command that runs the engine (serve, generate)."""
     e = env_default
-    model_help = "a .gguf file or a Hugging Face model directory (default: embedded SmolLM2-135M)"
+    model_help = (
+        "a catalogue name pulled with `kvserve pull` (e.g. qwen2.5-coder:1.5b), a .gguf file "
+        "or a Hugging Face model directory (default: embedded SmolLM2-135M)"
+    )
     if positional_model:
         parser.add_argument("model", nargs="?", default=e("--model", None), help=model_help)
     else:
-        parser.add_argument("--model", default=e("--model", None), help=model_help)
+        parser.add_argument("-m", "--model", default=e("--model", None), help=model_help)
+    parser.add_argument(
+        "--pull",
+        action="store_true",
+        default=e("--pull", False, bool),
+        help="pull a catalogue model first when it is not in the models directory yet "
+        "(without it a model not pulled is an error that says how to pull it)",
+    )
     g = parser.add_argument_group("device")
     g.add_argument("--device", default=e("--device", "auto"), help="auto | cpu | cuda[:N]")
     g.add_argument(
@@ -157,6 +169,29 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         help="undelivered steps before a client is dropped as a slow consumer",
     )
     g.add_argument("--seed", type=int, default=e("--seed", 0, int))
+
+
+def resolve_model_argument(args: argparse.Namespace) -> str | None:
+    """Check the model argument before anything heavy starts: None when it names a model
+    present here (pulled first with `--pull`), else the message to print. A catalogue name
+    not pulled yet is refused with the command that pulls it."""
+    from kvserve import hub
+    from kvserve.model.paths import resolve_model_path
+
+    try:
+        resolve_model_path(args.model)
+    except hub.NotPulledError as exc:
+        if not getattr(args, "pull", False):
+            return str(exc)
+        from kvserve.hub.pull_cli import pull_entry
+
+        try:
+            pull_entry(exc.entry)
+        except hub.PullError as error:
+            return str(error)
+    except (FileNotFoundError, ValueError) as exc:
+        return str(exc)
+    return None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -108,6 +108,34 @@ def loaded_int8():
 
 
 @pytest.fixture(scope="session")
+def qwen05_path():
+    """The real Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF (`qwen2.5-coder:0.5b`, 491 MB) in the
+    models directory; `make test` pulls it once (`kvserve pull qwen2.5-coder:0.5b`). Missing,
+    the tests that need it fail saying so."""
+    from kvserve import hub
+
+    path = hub.present(hub.lookup("qwen2.5-coder:0.5b"))
+    if path is None:
+        pytest.fail(
+            f"qwen2.5-coder:0.5b is not in {hub.models_dir()}: run "
+            "`kvserve pull qwen2.5-coder:0.5b` (make test does)"
+        )
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen05_fp32(qwen05_path):
+    """qwen2.5-coder:0.5b in float32 with float linear layers (its blocks dequantized: about
+    2.4 GB), loaded once per session and shared read-only."""
+    from kvserve.config import DeviceConfig
+    from kvserve.model.loader import load_model
+
+    return load_model(
+        str(qwen05_path), DeviceConfig(device="cpu", dtype="float32", quantization="none")
+    )
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(model_path):
     """transformers' own tokenizer for the default GGUF file (an independent reference), loaded
     once per session and shared read-only: a test that must change it works on a copy."""

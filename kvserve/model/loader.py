@@ -18,7 +18,7 @@ from kvserve.model import device_thread
 from kvserve.model.config import ModelConfig
 from kvserve.model.kernels import CpuKernels, load_kernels
 from kvserve.model.llama import LlamaModel
-from kvserve.model.paths import DEFAULT_MODEL_NAME, default_model_path, resolve_model_path
+from kvserve.model.paths import model_name, resolve_model_path
 
 log = logging.getLogger("kvserve.model")
 
@@ -243,10 +243,11 @@ def load_model(
     device_config: DeviceConfig = DeviceConfig(),
     kernels: CpuKernels | None = None,
 ) -> LoadedModel:
-    """Load weights and tokenizer. `model` is None (the embedded default), a .gguf file or a
-    Hugging Face directory. Nothing is ever downloaded. `kernels`: the CPU kernels to run on
-    (default: this process's, `load_kernels()`). Runs on the device thread (see
-    kvserve.model.device_thread), whichever thread calls it."""
+    """Load weights and tokenizer. `model` is None (the embedded default), a .gguf file, a
+    Hugging Face directory or a catalogue name already pulled (kvserve.hub); nothing is
+    downloaded here. `kernels`: the CPU kernels to run on (default: this process's,
+    `load_kernels()`). Runs on the device thread (see kvserve.model.device_thread), whichever
+    thread calls it."""
     return device_thread.call(_load_model, model, device_config, kernels)
 
 
@@ -269,13 +270,12 @@ def _load_model(
 
         checkpoint = SafetensorsCheckpoint(path)
         tokenizer = Tokenizer.from_hf_dir(path)
-        name = path.name
     else:
         from kvserve.model.gguf import GGUFCheckpoint
 
         checkpoint = GGUFCheckpoint(path)
         tokenizer = Tokenizer.from_gguf(path, fields=checkpoint.fields)
-        name = DEFAULT_MODEL_NAME if path == default_model_path() else path.stem
+    name = model_name(model, path)
     config = checkpoint.config
     q4_unsupported = None
     if device_config.quantization == "q4":

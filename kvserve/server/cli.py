@@ -14,7 +14,12 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from kvserve.cli import add_engine_arguments, engine_config_from_args, parse_size
+from kvserve.cli import (
+    add_engine_arguments,
+    engine_config_from_args,
+    parse_size,
+    resolve_model_argument,
+)
 from kvserve.config import ServerConfig, env_default
 from kvserve.server.tools import TOOL_CALL_PARSERS
 
@@ -127,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
         server_config = server_config_from_args(args)
     except ValueError as exc:
         print(f"kvserve serve: {exc}", file=sys.stderr)
+        return 2
+    # A model that is not here (a catalogue name not pulled, a wrong path) is refused before
+    # the port opens; `--pull` fetches a catalogue model first.
+    problem = resolve_model_argument(args)
+    if problem is not None:
+        print(f"kvserve serve: {problem}", file=sys.stderr)
         return 2
     # Listen before the heavy imports (torch, the engine): a client that connects during the
     # seconds they take waits in the backlog instead of being refused; /health then answers as
