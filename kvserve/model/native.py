@@ -43,8 +43,9 @@ SOURCES = [
     CSRC / "q4_gemm.c",
     CSRC / "forward_q4.c",
     CSRC / "bitmask.c",
+    CSRC / "blocks_gemm.c",
 ]
-HEADERS = [CSRC / "common.h", CSRC / "kernels.h"]
+HEADERS = [CSRC / "common.h", CSRC / "kernels.h", CSRC / "blocks.h"]
 # -fno-math-errno / -fno-trapping-math (not -ffast-math: no reassociation, NaN and infinity keep
 # their meaning) let loops with floorf and comparisons vectorize.
 FLAGS = [
@@ -177,9 +178,10 @@ def library() -> ctypes.CDLL | None:
     lib.kvserve_f32_gemm_available.restype = ctypes.c_int
     for name in ("kvserve_add_rmsnorm_q8", "kvserve_silu_mul_q8", "kvserve_rotate_rows"):
         getattr(lib, name).restype = None
-    from kvserve.model import native_q4
+    from kvserve.model import native_blocks, native_q4
 
     native_q4.declare(lib)
+    native_blocks.declare(lib)
     return lib
 
 
