@@ -575,6 +575,14 @@ ALWAYS vi vi_bcast4(const int8_t *p) {
 #endif
 }
 
+/* `v` as it is, in a register: the integer sums are associative, and without this the compiler
+ * regroups a tile's chains of additions into trees that hold every product at once (measured:
+ * about 20 of the 16 vector registers spilled per block for 4 rows on AVX2). */
+ALWAYS vi keep(vi v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
+
 /* The rows of a tile: row i's values at q + i * k, its scales at e + i * (k / 32), its sums of
  * 16 at s + i * (k / 16). */
 typedef struct {
@@ -592,44 +600,40 @@ ALWAYS vi to_bit4(vi high, int t) {
 }
 
 /*
- * acc[i][0] = sum over the block's 32 inputs of u * p for the MR_ rows of the tile (acc[i][1]:
- * the second 16 inputs when `split`, Q6_K's second sub-block; else everything goes to [0]).
- * nib: the block's nibbles at this pass's columns; high: its high bits (bits 1) or pairs (2).
- * group: 4-input steps whose int16 pair sums may be added before widening (AVX2, see above).
+ * acc[i] = sum over 16 * chunks inputs (32, or 16 for Q6_K's sub-blocks) of u * p for the MR_
+ * rows of the tile. nib: the nibbles at this pass's columns; high: the high bits (bits 1) or
+ * the one vector of high pairs of these 16 inputs (bits 2). group: 4-input steps whose int16
+ * pair sums may be added before widening (AVX2, see above).
  */
-ALWAYS void block_sums(const int MR_, const int bits, const int group, const int split,
+ALWAYS void block_sums(const int MR_, const int bits, const int group, const int chunks,
                        const uint8_t *nib, const uint8_t *high, const tile_rows *rows,
-                       int64_t offset, vi acc[][2]) {
+                       int64_t offset, vi acc[]) {
     const vi low4 = vi_bytes(0x0F);
     const vi mask = vi_bytes(bits == 2 ? 0x30 : 0x10);
-    vi h0 = vi_zero(), h1 = vi_zero();
-    if (bits >= 1) h0 = vi_load(high);
-    if (bits == 2) h1 = vi_load(high + 64);
+    const vi h0 = bits ? vi_load(high) : vi_zero();
     vsum sums[MR];
     for (int i = 0; i < MR_; i++) {
-        acc[i][0] = acc[i][1] = vi_zero();
+        acc[i] = vi_zero();
         sums[i] = vsum_zero();
     }
-    _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) {
+    _Pragma("GCC unroll 4") for (int h = 0; h < chunks; h++) {
         const vi w = vi_load(nib + 64 * h);
         vi u0 = vi_and(w, low4), u1 = vi_and(vi_srl16(w, 4), low4);
-        if (bits == 1) {
+        if (bits == 1) { /* steps 2h, 2h + 1: bits 2h, 2h + 1 */
             u0 = vi_or(u0, vi_and(to_bit4(h0, 2 * h), mask));
             u1 = vi_or(u1, vi_and(to_bit4(h0, 2 * h + 1), mask));
-        } else if (bits == 2) { /* steps 2h, 2h + 1: pairs t = 2h % 4, (2h + 1) % 4 of h0 or h1 */
-            const vi pairs = h < 2 ? h0 : h1;
-            u0 = vi_or(u0, vi_and(to_bit4(pairs, 2 * ((2 * h) % 4)), mask));
-            u1 = vi_or(u1, vi_and(to_bit4(pairs, 2 * ((2 * h + 1) % 4)), mask));
+        } else if (bits == 2) { /* steps 2h, 2h + 1 of the 4: pairs 2h, 2h + 1 */
+            u0 = vi_or(u0, vi_and(to_bit4(h0, 2 * (2 * h)), mask));
+            u1 = vi_or(u1, vi_and(to_bit4(h0, 2 * (2 * h + 1)), mask));
         }
         _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
             const int8_t *p = rows->q + i * rows->k + offset + 8 * h;
-            sums[i] = vsum_step(sums[i], u0, vi_bcast4(p));
-            sums[i] = vsum_step(sums[i], u1, vi_bcast4(p + 4));
+            sums[i] = keep(vsum_step(sums[i], u0, vi_bcast4(p)));
+            sums[i] = keep(vsum_step(sums[i], u1, vi_bcast4(p + 4)));
         }
         if ((2 * h + 2) % group == 0) {
-            const int half = split && h >= 2;
             _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
-                acc[i][half] = vi_add_sum(acc[i][half], sums[i]);
+                acc[i] = vi_add_sum(acc[i], sums[i]);
                 sums[i] = vsum_zero();
             }
         }
@@ -638,13 +642,13 @@ ALWAYS void block_sums(const int MR_, const int bits, const int group, const int
 
 /* Q8_0: signed bytes; |w| is unpacked once, and the sign moves onto each row's bytes. */
 ALWAYS void block_sums8(const int MR_, const uint8_t *bytes, const tile_rows *rows,
-                        int64_t offset, vi acc[][2]) {
-    for (int i = 0; i < MR_; i++) acc[i][0] = vi_zero();
+                        int64_t offset, vi acc[]) {
+    for (int i = 0; i < MR_; i++) acc[i] = vi_zero();
     _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
         const vi w = vi_load(bytes + 64 * s), u = vi_abs8(w);
         _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
             const vi x = vi_sign8(vi_bcast4(rows->q + i * rows->k + offset + 4 * s), w);
-            acc[i][0] = vi_add_sum(acc[i][0], vsum_step(vsum_zero(), u, x));
+            acc[i] = vi_add_sum(acc[i], vsum_step(vsum_zero(), u, x));
         }
     }
 }
@@ -660,7 +664,7 @@ ALWAYS void tile_products(const int format, const int MR_, const uint8_t *panel,
                           int64_t lane, const tile_rows *rows, vf res[]) {
     const format_info *f = &FORMATS[format_slot(format)];
     const int64_t half2 = lane / 2, half1 = lane / 4; /* offsets in arrays of 16 halfs, bytes */
-    vi acc[MR][2];
+    vi acc[MR];
     for (int64_t r = 0; r < records; r++) {
         const uint8_t *rec = panel + r * f->record;
         const vf d = vf_half(rec + f->d + half2);
@@ -670,7 +674,7 @@ ALWAYS void tile_products(const int format, const int MR_, const uint8_t *panel,
                 block_sums8(MR_, rec + lane, rows, 32 * block, acc);
             } else {
                 const int bits = f->high >= 0 ? 1 : 0;
-                block_sums(MR_, bits, bits ? 4 : 8, 0, rec + lane, rec + f->high + lane, rows,
+                block_sums(MR_, bits, bits ? 4 : 8, 4, rec + lane, rec + f->high + lane, rows,
                            32 * block, acc);
             }
             vf m = vf_zero();
@@ -680,27 +684,24 @@ ALWAYS void tile_products(const int format, const int MR_, const uint8_t *panel,
                 const float e = rows->e[i * (rows->k / 32) + block];
                 const int32_t *s = rows->s + i * (rows->k / 16) + 2 * block;
                 const int32_t sum = s[0] + s[1];
-                vi total = acc[i][0];
+                vi total = acc[i];
                 vf base = res[i];
                 if (z) total = vi_sub32(total, vi_set32(z * sum));
                 if (f->dmin >= 0) base = vf_fma(m, vf_set(e * (float)sum), base);
                 res[i] = vf_fma(vf_cvt(total), vf_mul(d, vf_set(e)), base);
             }
         } else if (format == KVSERVE_BLOCKS_Q6_K) {
-            _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
-                const int64_t block = 8 * r + j;
-                block_sums(MR_, 2, 2, 1, rec + 256 * j + lane, rec + f->high + 128 * j + lane,
-                           rows, 32 * block, acc);
-                const vf d0 = vf_mul(d, vf_i8(rec + f->sc + 16 * (2 * j) + half1));
-                const vf d1 = vf_mul(d, vf_i8(rec + f->sc + 16 * (2 * j + 1) + half1));
+            /* sub-blocks of 16, each finished (float update) before the next: one sum a row */
+            _Pragma("GCC unroll 1") for (int j = 0; j < 16; j++) {
+                const int64_t block = 8 * r + j / 2;
+                block_sums(MR_, 2, 2, 2, rec + 256 * (j / 2) + 128 * (j % 2) + lane,
+                           rec + f->high + 64 * j + lane, rows, 16 * (16 * r + j), acc);
+                const vf scale = vf_mul(d, vf_i8(rec + f->sc + 16 * j + half1));
                 _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
                     const float e = rows->e[i * (rows->k / 32) + block];
-                    const int32_t *s = rows->s + i * (rows->k / 16) + 2 * block;
-                    const vf ev = vf_set(e);
-                    const vi t0 = vi_sub32(acc[i][0], vi_set32(32 * s[0]));
-                    const vi t1 = vi_sub32(acc[i][1], vi_set32(32 * s[1]));
-                    res[i] = vf_fma(vf_cvt(t0), vf_mul(d0, ev), res[i]);
-                    res[i] = vf_fma(vf_cvt(t1), vf_mul(d1, ev), res[i]);
+                    const int32_t sum = rows->s[i * (rows->k / 16) + 16 * r + j];
+                    const vi total = vi_sub32(acc[i], vi_set32(32 * sum));
+                    res[i] = vf_fma(vf_cvt(total), vf_mul(scale, vf_set(e)), res[i]);
                 }
             }
         } else { /* Q4_K, Q5_K */
@@ -708,7 +709,7 @@ ALWAYS void tile_products(const int format, const int MR_, const uint8_t *panel,
             const int bits = f->high >= 0 ? 1 : 0;
             _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
                 const int64_t block = 8 * r + j;
-                block_sums(MR_, bits, bits ? 4 : 8, 0, rec + 256 * j + lane,
+                block_sums(MR_, bits, bits ? 4 : 8, 4, rec + 256 * j + lane,
                            rec + f->high + 64 * j + lane, rows, 32 * block, acc);
                 const vf scale = vf_mul(d, vf_u8(rec + f->sc + 16 * j + half1));
                 const vf low = vf_mul(dmin, vf_u8(rec + f->mn + 16 * j + half1));
@@ -716,7 +717,7 @@ ALWAYS void tile_products(const int format, const int MR_, const uint8_t *panel,
                     const float e = rows->e[i * (rows->k / 32) + block];
                     const int32_t *s = rows->s + i * (rows->k / 16) + 2 * block;
                     const vf base = vf_fnma(low, vf_set(e * (float)(s[0] + s[1])), res[i]);
-                    res[i] = vf_fma(vf_cvt(acc[i][0]), vf_mul(scale, vf_set(e)), base);
+                    res[i] = vf_fma(vf_cvt(acc[i]), vf_mul(scale, vf_set(e)), base);
                 }
             }
         }
