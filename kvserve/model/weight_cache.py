@@ -52,6 +52,8 @@ _PREPARING_SOURCES = (
     "safetensors.py",
     "native.py",
     "native_q4.py",
+    "blocks.py",
+    "native_blocks.py",
 )
 
 
@@ -119,7 +121,7 @@ def _preparation_digest() -> str:
     here = Path(__file__).parent
     for name in _PREPARING_SOURCES:
         digest.update((here / name).read_bytes())
-    for kernel in ("int8_gemm.c", "q4_gemm.c"):  # the packed layouts
+    for kernel in ("int8_gemm.c", "q4_gemm.c", "blocks_gemm.c"):  # the packed layouts
         digest.update((here / "csrc" / kernel).read_bytes())
     return digest.hexdigest()
 
