@@ -600,155 +600,218 @@ ALWAYS vi to_bit4(vi high, int t) {
 }
 
 /*
- * acc[i] = sum over 16 * chunks inputs (32, or 16 for Q6_K's sub-blocks) of u * p for the MR_
- * rows of the tile. nib: the nibbles at this pass's columns; high: the high bits (bits 1) or
- * the one vector of high pairs of these 16 inputs (bits 2). group: 4-input steps whose int16
- * pair sums may be added before widening (AVX2, see above).
+ * Vectors of columns a tile covers: on AVX2 a tile of 1 or 2 rows takes the panel's 16 columns
+ * in one pass (2 vectors), so that each record is read once, as it streams from memory, and
+ * the activation broadcasts and scalar work are shared; 3 or more rows go in two passes of 8
+ * columns (their sums fill the registers). AVX512's one vector is the panel.
  */
-ALWAYS void block_sums(const int MR_, const int bits, const int group, const int chunks,
-                       const uint8_t *nib, const uint8_t *high, const tile_rows *rows,
-                       int64_t offset, vi acc[]) {
+#define NV_FOR(rows) (VW == 8 && (rows) <= 2 ? 2 : 1)
+#define LANES (4 * VW) /* bytes of one vector's columns in a 64-byte vector of the layout */
+
+/*
+ * acc[i][v] = sum over 16 * chunks inputs (32, or 16 for Q6_K's sub-blocks) of u * p for the
+ * MR_ rows of the tile and its NV vectors of columns. nib: the nibbles at the tile's first
+ * columns; high: the high bits (bits 1) or the one vector of high pairs of these 16 inputs
+ * (bits 2). group: 4-input steps whose int16 pair sums may be added before widening (AVX2, see
+ * above).
+ */
+ALWAYS void block_sums(const int MR_, const int NV, const int bits, const int group,
+                       const int chunks, const uint8_t *nib, const uint8_t *high,
+                       const tile_rows *rows, int64_t offset, vi acc[][2]) {
     const vi low4 = vi_bytes(0x0F);
     const vi mask = vi_bytes(bits == 2 ? 0x30 : 0x10);
-    const vi h0 = bits ? vi_load(high) : vi_zero();
-    vsum sums[MR];
-    for (int i = 0; i < MR_; i++) {
-        acc[i] = vi_zero();
-        sums[i] = vsum_zero();
-    }
+    vi h0[2];
+    vsum sums[MR][2];
+    for (int v = 0; v < NV; v++) h0[v] = bits ? vi_load(high + LANES * v) : vi_zero();
+    for (int i = 0; i < MR_; i++)
+        for (int v = 0; v < NV; v++) {
+            acc[i][v] = vi_zero();
+            sums[i][v] = vsum_zero();
+        }
     _Pragma("GCC unroll 4") for (int h = 0; h < chunks; h++) {
-        const vi w = vi_load(nib + 64 * h);
-        vi u0 = vi_and(w, low4), u1 = vi_and(vi_srl16(w, 4), low4);
-        if (bits == 1) { /* steps 2h, 2h + 1: bits 2h, 2h + 1 */
-            u0 = vi_or(u0, vi_and(to_bit4(h0, 2 * h), mask));
-            u1 = vi_or(u1, vi_and(to_bit4(h0, 2 * h + 1), mask));
-        } else if (bits == 2) { /* steps 2h, 2h + 1 of the 4: pairs 2h, 2h + 1 */
-            u0 = vi_or(u0, vi_and(to_bit4(h0, 2 * (2 * h)), mask));
-            u1 = vi_or(u1, vi_and(to_bit4(h0, 2 * (2 * h + 1)), mask));
+        vi u0[2], u1[2];
+        _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+            const vi w = vi_load(nib + 64 * h + LANES * v);
+            u0[v] = vi_and(w, low4);
+            u1[v] = vi_and(vi_srl16(w, 4), low4);
+            if (bits == 1) { /* steps 2h, 2h + 1: bits 2h, 2h + 1 */
+                u0[v] = vi_or(u0[v], vi_and(to_bit4(h0[v], 2 * h), mask));
+                u1[v] = vi_or(u1[v], vi_and(to_bit4(h0[v], 2 * h + 1), mask));
+            } else if (bits == 2) { /* steps 2h, 2h + 1 of the 4: pairs 2h, 2h + 1 */
+                u0[v] = vi_or(u0[v], vi_and(to_bit4(h0[v], 2 * (2 * h)), mask));
+                u1[v] = vi_or(u1[v], vi_and(to_bit4(h0[v], 2 * (2 * h + 1)), mask));
+            }
         }
         _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
             const int8_t *p = rows->q + i * rows->k + offset + 8 * h;
-            sums[i] = keep(vsum_step(sums[i], u0, vi_bcast4(p)));
-            sums[i] = keep(vsum_step(sums[i], u1, vi_bcast4(p + 4)));
+            const vi x0 = vi_bcast4(p), x1 = vi_bcast4(p + 4);
+            _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+                sums[i][v] = keep(vsum_step(sums[i][v], u0[v], x0));
+                sums[i][v] = keep(vsum_step(sums[i][v], u1[v], x1));
+            }
         }
         if ((2 * h + 2) % group == 0) {
-            _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
-                acc[i] = vi_add_sum(acc[i], sums[i]);
-                sums[i] = vsum_zero();
-            }
+            _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++)
+                _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+                    acc[i][v] = vi_add_sum(acc[i][v], sums[i][v]);
+                    sums[i][v] = vsum_zero();
+                }
         }
     }
 }
 
 /* Q8_0: signed bytes; |w| is unpacked once, and the sign moves onto each row's bytes. */
-ALWAYS void block_sums8(const int MR_, const uint8_t *bytes, const tile_rows *rows,
-                        int64_t offset, vi acc[]) {
-    for (int i = 0; i < MR_; i++) acc[i] = vi_zero();
+ALWAYS void block_sums8(const int MR_, const int NV, const uint8_t *bytes, const tile_rows *rows,
+                        int64_t offset, vi acc[][2]) {
+    for (int i = 0; i < MR_; i++)
+        for (int v = 0; v < NV; v++) acc[i][v] = vi_zero();
     _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
-        const vi w = vi_load(bytes + 64 * s), u = vi_abs8(w);
+        vi w[2], u[2];
+        for (int v = 0; v < NV; v++) {
+            w[v] = vi_load(bytes + 64 * s + LANES * v);
+            u[v] = vi_abs8(w[v]);
+        }
         _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
-            const vi x = vi_sign8(vi_bcast4(rows->q + i * rows->k + offset + 4 * s), w);
-            acc[i] = vi_add_sum(acc[i], vsum_step(vsum_zero(), u, x));
+            const vi x = vi_bcast4(rows->q + i * rows->k + offset + 4 * s);
+            _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) acc[i][v] =
+                vi_add_sum(acc[i][v], vsum_step(vsum_zero(), u[v], vi_sign8(x, w[v])));
         }
     }
 }
 
+/* How far ahead (bytes) the record stream of a panel is prefetched (non-temporal: a record is
+ * read once). Measured on the AVX2 machine (one row, the 1.5B's products streamed from memory,
+ * 2 threads, best of 6 rounds): none 11.9 GB/s, 1.5 KB 14.1, 3 KB 13.6, with prefetcht0 1.5 KB
+ * 13.1, 3 KB 13.1, 6 KB 12.3, against 20.1 GB/s for sums over a buffer in the same rounds. */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1536
+#endif
+
 /*
- * res[i] += the products of the panel's records [0, records) with the tile's rows, for the VW
- * columns at byte offset `lane` (4 bytes a column) of each 64-byte vector. The float sequence
- * per output is fixed: per block of 32 in order, res = fma(cvt(S'), D * e, res'), where S' is
- * the exact integer sum (less z * P for Q4_0 / Q5_0 / Q6_K's offsets) and res' is res less the
- * block's M * (e * P) for the formats with an offset per block.
+ * res[i][v] += the products of the panel's records [0, records) with the tile's rows, for the
+ * NV vectors of columns from byte offset `lane` of each 64-byte vector on. The float sequence
+ * per output is fixed: per block of 32 (Q6_K: 16) in order, res = fma(cvt(S'), D * e, res'),
+ * where S' is the exact integer sum (less z * P for Q4_0 / Q5_0 / Q6_K's offsets) and res' is
+ * res less the block's M * (e * P) for the formats with an offset per block.
  */
-ALWAYS void tile_products(const int format, const int MR_, const uint8_t *panel, int64_t records,
-                          int64_t lane, const tile_rows *rows, vf res[]) {
+ALWAYS void tile_products(const int format, const int MR_, const int NV, const uint8_t *panel,
+                          int64_t records, int64_t lane, const tile_rows *rows, vf res[][2]) {
     const format_info *f = &FORMATS[format_slot(format)];
-    const int64_t half2 = lane / 2, half1 = lane / 4; /* offsets in arrays of 16 halfs, bytes */
-    vi acc[MR];
+    vi acc[MR][2];
     for (int64_t r = 0; r < records; r++) {
         const uint8_t *rec = panel + r * f->record;
-        const vf d = vf_half(rec + f->d + half2);
+        if (lane == 0)
+            for (int64_t at = 0; at < f->record; at += 64)
+                __builtin_prefetch(rec + PREFETCH_AHEAD + at, 0, 0);
+        vf d[2];
+        /* offsets of this vector's columns in arrays of 16 float16 and of 16 bytes */
+#define HALFS(v) ((lane + LANES * (v)) / 2)
+#define BYTES(v) ((lane + LANES * (v)) / 4)
+        for (int v = 0; v < NV; v++) d[v] = vf_half(rec + f->d + HALFS(v));
         if (f->values == 32) {
             const int64_t block = r;
             if (format == KVSERVE_BLOCKS_Q8_0) {
-                block_sums8(MR_, rec + lane, rows, 32 * block, acc);
+                block_sums8(MR_, NV, rec + lane, rows, 32 * block, acc);
             } else {
                 const int bits = f->high >= 0 ? 1 : 0;
-                block_sums(MR_, bits, bits ? 4 : 8, 4, rec + lane, rec + f->high + lane, rows,
+                block_sums(MR_, NV, bits, bits ? 4 : 8, 4, rec + lane, rec + f->high + lane, rows,
                            32 * block, acc);
             }
-            vf m = vf_zero();
-            if (f->dmin >= 0) m = vf_half(rec + f->dmin + half2);
-            const int32_t z = format == KVSERVE_BLOCKS_Q4_0 ? 8 : (format == KVSERVE_BLOCKS_Q5_0 ? 16 : 0);
+            vf m[2] = {vf_zero(), vf_zero()};
+            if (f->dmin >= 0)
+                for (int v = 0; v < NV; v++) m[v] = vf_half(rec + f->dmin + HALFS(v));
+            const int32_t z =
+                format == KVSERVE_BLOCKS_Q4_0 ? 8 : (format == KVSERVE_BLOCKS_Q5_0 ? 16 : 0);
             _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
                 const float e = rows->e[i * (rows->k / 32) + block];
                 const int32_t *s = rows->s + i * (rows->k / 16) + 2 * block;
                 const int32_t sum = s[0] + s[1];
-                vi total = acc[i];
-                vf base = res[i];
-                if (z) total = vi_sub32(total, vi_set32(z * sum));
-                if (f->dmin >= 0) base = vf_fma(m, vf_set(e * (float)sum), base);
-                res[i] = vf_fma(vf_cvt(total), vf_mul(d, vf_set(e)), base);
+                const vf ev = vf_set(e), ep = vf_set(e * (float)sum);
+                const vi zp = vi_set32(z * sum);
+                _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+                    vi total = acc[i][v];
+                    vf base = res[i][v];
+                    if (z) total = vi_sub32(total, zp);
+                    if (f->dmin >= 0) base = vf_fma(m[v], ep, base);
+                    res[i][v] = vf_fma(vf_cvt(total), vf_mul(d[v], ev), base);
+                }
             }
         } else if (format == KVSERVE_BLOCKS_Q6_K) {
             /* sub-blocks of 16, each finished (float update) before the next: one sum a row */
             _Pragma("GCC unroll 1") for (int j = 0; j < 16; j++) {
                 const int64_t block = 8 * r + j / 2;
-                block_sums(MR_, 2, 2, 2, rec + 256 * (j / 2) + 128 * (j % 2) + lane,
+                block_sums(MR_, NV, 2, 2, 2, rec + 256 * (j / 2) + 128 * (j % 2) + lane,
                            rec + f->high + 64 * j + lane, rows, 16 * (16 * r + j), acc);
-                const vf scale = vf_mul(d, vf_i8(rec + f->sc + 16 * j + half1));
+                vf scale[2];
+                for (int v = 0; v < NV; v++)
+                    scale[v] = vf_mul(d[v], vf_i8(rec + f->sc + 16 * j + BYTES(v)));
                 _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
                     const float e = rows->e[i * (rows->k / 32) + block];
                     const int32_t sum = rows->s[i * (rows->k / 16) + 16 * r + j];
-                    const vi total = vi_sub32(acc[i], vi_set32(32 * sum));
-                    res[i] = vf_fma(vf_cvt(total), vf_mul(scale, vf_set(e)), res[i]);
+                    const vf ev = vf_set(e);
+                    const vi zp = vi_set32(32 * sum);
+                    _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+                        const vi total = vi_sub32(acc[i][v], zp);
+                        res[i][v] = vf_fma(vf_cvt(total), vf_mul(scale[v], ev), res[i][v]);
+                    }
                 }
             }
         } else { /* Q4_K, Q5_K */
-            const vf dmin = vf_half(rec + f->dmin + half2);
+            vf dmin[2];
+            for (int v = 0; v < NV; v++) dmin[v] = vf_half(rec + f->dmin + HALFS(v));
             const int bits = f->high >= 0 ? 1 : 0;
             _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
                 const int64_t block = 8 * r + j;
-                block_sums(MR_, bits, bits ? 4 : 8, 4, rec + 256 * j + lane,
+                block_sums(MR_, NV, bits, bits ? 4 : 8, 4, rec + 256 * j + lane,
                            rec + f->high + 64 * j + lane, rows, 32 * block, acc);
-                const vf scale = vf_mul(d, vf_u8(rec + f->sc + 16 * j + half1));
-                const vf low = vf_mul(dmin, vf_u8(rec + f->mn + 16 * j + half1));
+                vf scale[2], low[2];
+                for (int v = 0; v < NV; v++) {
+                    scale[v] = vf_mul(d[v], vf_u8(rec + f->sc + 16 * j + BYTES(v)));
+                    low[v] = vf_mul(dmin[v], vf_u8(rec + f->mn + 16 * j + BYTES(v)));
+                }
                 _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
                     const float e = rows->e[i * (rows->k / 32) + block];
                     const int32_t *s = rows->s + i * (rows->k / 16) + 2 * block;
-                    const vf base = vf_fnma(low, vf_set(e * (float)(s[0] + s[1])), res[i]);
-                    res[i] = vf_fma(vf_cvt(acc[i]), vf_mul(scale, vf_set(e)), base);
+                    const vf ev = vf_set(e), ep = vf_set(e * (float)(s[0] + s[1]));
+                    _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+                        const vf base = vf_fnma(low[v], ep, res[i][v]);
+                        res[i][v] = vf_fma(vf_cvt(acc[i][v]), vf_mul(scale[v], ev), base);
+                    }
                 }
             }
         }
+#undef HALFS
+#undef BYTES
     }
 }
 
-/* One pass of a tile: the products, the bias, and the store of `cols` (<= VW) columns. */
+/* One pass of a tile: the products, the bias, and the store of `cols` (<= NV * VW) columns. */
 ALWAYS void tile_pass(const int format, const int MR_, const uint8_t *panel, int64_t records,
                       int64_t lane, const tile_rows *rows, const float *bias, float *out,
                       int64_t ldc, int64_t cols) {
-    vf res[MR];
-    for (int i = 0; i < MR_; i++) res[i] = vf_zero();
-    tile_products(format, MR_, panel, records, lane, rows, res);
-    float tail[VW], bias_tail[VW];
-    vf b = vf_zero();
-    if (bias) {
-        if (cols >= VW) {
-            b = vf_load(bias);
-        } else {
-            memset(bias_tail, 0, sizeof bias_tail);
-            memcpy(bias_tail, bias, (size_t)cols * sizeof(float));
-            b = vf_load(bias_tail);
+    const int NV = NV_FOR(MR_);
+    vf res[MR][2];
+    for (int i = 0; i < MR_; i++)
+        for (int v = 0; v < NV; v++) res[i][v] = vf_zero();
+    tile_products(format, MR_, NV, panel, records, lane, rows, res);
+    float tail[VW];
+    for (int v = 0; v < NV && v * VW < cols; v++) {
+        const int64_t width = cols - v * VW < VW ? cols - v * VW : VW;
+        vf b = vf_zero();
+        if (bias) {
+            memset(tail, 0, sizeof tail);
+            memcpy(tail, bias + v * VW, (size_t)width * sizeof(float));
+            b = vf_load(tail);
         }
-    }
-    for (int i = 0; i < MR_; i++) {
-        const vf v = bias ? vf_add(res[i], b) : res[i];
-        if (cols >= VW) {
-            vf_store(out + i * ldc, v);
-        } else {
-            vf_store(tail, v);
-            memcpy(out + i * ldc, tail, (size_t)cols * sizeof(float));
+        for (int i = 0; i < MR_; i++) {
+            const vf value = bias ? vf_add(res[i][v], b) : res[i][v];
+            float *o = out + i * ldc + v * VW;
+            if (width == VW) {
+                vf_store(o, value);
+            } else {
+                vf_store(tail, value);
+                memcpy(o, tail, (size_t)width * sizeof(float));
+            }
         }
     }
 }
@@ -835,15 +898,15 @@ int kvserve_blocks_gemm(const int8_t *q, const float *scales, const int32_t *sum
         const int64_t local = panel - first_panel[p], records = k / f->values;
         const uint8_t *data = w->packed + local * records * f->record;
         const int64_t column = local * PANEL, cols = w->n - column < PANEL ? w->n - column : PANEL;
-        for (int64_t pass = 0; pass * VW < cols; pass++) {
-            const int64_t at = column + pass * VW;
-            const int64_t width = cols - pass * VW < VW ? cols - pass * VW : VW;
-            const float *bias = w->bias ? w->bias + at : NULL;
-            float *o = out + first_column[p] + at;
-            for (int64_t r = start; r < stop; r += MR) {
-                const int64_t count = stop - r < MR ? stop - r : MR;
-                const tile_rows tile = {q + r * k, scales + r * (k / 32), sums + r * (k / 16), k};
-                tiles[count](data, records, 4 * VW * pass, &tile, bias, o + r * ldc, ldc, width);
+        for (int64_t r = start; r < stop; r += MR) {
+            const int64_t count = stop - r < MR ? stop - r : MR;
+            const int64_t span = NV_FOR(count) * VW; /* columns of one pass */
+            const tile_rows tile = {q + r * k, scales + r * (k / 32), sums + r * (k / 16), k};
+            for (int64_t at = 0; at < cols; at += span) {
+                const int64_t width = cols - at < span ? cols - at : span;
+                float *o = out + r * ldc + first_column[p] + column + at;
+                tiles[count](data, records, 4 * at, &tile, w->bias ? w->bias + column + at : NULL,
+                             o, ldc, width);
             }
         }
     }
