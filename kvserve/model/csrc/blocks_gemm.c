@@ -653,7 +653,7 @@ ALWAYS void block_sums(const int MR_, const int NV, const int bits, const int gr
         if ((2 * h + 2) % group == 0) {
             _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++)
                 _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
-                    acc[i][v] = vi_add_sum(acc[i][v], sums[i][v]);
+                    acc[i][v] = keep(vi_add_sum(acc[i][v], sums[i][v]));
                     sums[i][v] = vsum_zero();
                 }
         }
@@ -674,7 +674,7 @@ ALWAYS void block_sums8(const int MR_, const int NV, const uint8_t *bytes, const
         _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
             const vi x = vi_bcast4(rows->q + i * rows->k + offset + 4 * s);
             _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) acc[i][v] =
-                vi_add_sum(acc[i][v], vsum_step(vsum_zero(), u[v], vi_sign8(x, w[v])));
+                keep(vi_add_sum(acc[i][v], vsum_step(vsum_zero(), u[v], vi_sign8(x, w[v]))));
         }
     }
 }
