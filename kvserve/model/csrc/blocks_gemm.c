@@ -41,9 +41,10 @@
  * tiles of 3-4 rows (whose sums fill its 16 registers).
  * Tiles: up to 4 rows on AVX2, 8 on AVX512 (eight independent vpdpbusd chains hide its
  * latency); each weight record is unpacked once per tile, so at 8-32 rows the unpacking is
- * shared by 4-8 rows. Measured on the AVX2 machine (one thread, the 1.5B's products of a decode
- * step, Q4_K and Q6_K): the same time as the int8 product of the same shapes at 32 rows, and
- * less at 1 and 8 rows, where the block weights' fewer bytes count.
+ * shared by 4-8 rows. Measured on the shared AVX2 machine (kvserve/bench/blocks_bench.py, the
+ * 1.5B's products of a decode step in Q4_K and Q6_K, 4 layers, against kvserve_int8_gemm on
+ * the same shapes): at 32 rows 1.0x (2 threads) to 1.4x (1 thread) int8's speed, at 8 rows
+ * 1.3-1.9x, at 1 row 2.6-2.8x (the blocks' fewer bytes).
  *
  * Packed layout, per panel of 16 output columns and per block (a record, contiguous):
  *   nibbles [4][16][4] per 32 inputs: quarter h, column c, byte b: low nibble = u[8h + b] & 15,
