@@ -111,6 +111,12 @@ def available() -> bool:
     return isa() is not None
 
 
+def _lib() -> ctypes.CDLL:
+    lib = library()
+    _require(lib is not None, "the block kernels need the C kernels, which are not built here")
+    return lib
+
+
 def block_format(qtype: str) -> BlockFormat:
     """The format named `qtype` ("Q4_K", ...); KernelInputError for one the kernels lack."""
     f = FORMATS.get(qtype)
@@ -147,7 +153,7 @@ def pack(qtype: str, raw: np.ndarray | torch.Tensor) -> torch.Tensor:
     )
     k = row_bytes // f.gguf_bytes * f.values
     packed = torch.empty(packed_shape(qtype, n, k), dtype=torch.uint8)
-    status = library().kvserve_blocks_pack(
+    status = _lib().kvserve_blocks_pack(
         f.ggml_type, raw.ctypes.data, n, k, packed.data_ptr(), torch.get_num_threads()
     )
     _require(status == 0, f"the packing kernel refused a {qtype} weight [{n}, {k}]")
@@ -170,7 +176,7 @@ def unpack(qtype: str, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     `gguf.quants.dequantize` of the file's blocks)."""
     f = _check_packed(qtype, packed, n, k)
     out = torch.empty(n, k, dtype=torch.float32)
-    status = library().kvserve_blocks_unpack(
+    status = _lib().kvserve_blocks_unpack(
         f.ggml_type, packed.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()
     )
     _require(status == 0, f"the unpacking kernel refused a {qtype} weight [{n}, {k}]")
@@ -214,7 +220,7 @@ def quantize(x: torch.Tensor) -> ActivationBlocks:
     out = _blocks_out(rows, k)
     if rows == 0:
         return out
-    getattr(library(), "kvserve_blocks_quantize" + _suffix(x))(
+    getattr(_lib(), "kvserve_blocks_quantize" + _suffix(x))(
         x.data_ptr(),
         rows,
         k,
@@ -244,7 +250,7 @@ def add_rmsnorm(
     out = _blocks_out(rows, hidden) if normalize else None
     if rows == 0:
         return out
-    library().kvserve_blocks_add_rmsnorm(
+    _lib().kvserve_blocks_add_rmsnorm(
         x.data_ptr(),
         _ptr(delta),
         weight.data_ptr(),
@@ -268,7 +274,7 @@ def silu_mul(gate_up: torch.Tensor) -> ActivationBlocks:
     out = _blocks_out(rows, double // 2)
     if rows == 0:
         return out
-    library().kvserve_blocks_silu_mul(
+    _lib().kvserve_blocks_silu_mul(
         gate_up.data_ptr(),
         rows,
         double // 2,
@@ -313,7 +319,7 @@ def gemm(x: ActivationBlocks, parts: Sequence[Part]) -> torch.Tensor:
     # The AVX2 product moves Q8_0's signs onto the row bytes, which -128 cannot take, and
     # its saturation bounds assume |q| <= 127 (blocks_gemm.c).
     _require(int(x.q.min()) > -128, "activation values must lie in -127..127")
-    status = library().kvserve_blocks_gemm(
+    status = _lib().kvserve_blocks_gemm(
         x.q.data_ptr(),
         x.scales.data_ptr(),
         x.sums.data_ptr(),
