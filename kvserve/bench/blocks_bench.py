@@ -272,9 +272,10 @@ def rounded_blocks(x: torch.Tensor, block: int, levels: int) -> torch.Tensor:
 SCHEMES = (("8 bits / 32", 32, 127), ("8 bits / 256", 256, 127), ("12 bits / 32", 32, 2032))
 
 
-def block_projections(checkpoint, config) -> list[tuple]:
+def block_projections(checkpoint, config, fine: bool = False) -> list[tuple]:
     """Every layer's four products (q|k|v with its bias, o, gate|up, down) as the block
-    kernels run them, in the order and with the calls of `LlamaModel.projections`."""
+    kernels run them (12-bit activations with `fine`), in the order and with the calls of
+    `LlamaModel.projections`."""
     layers = []
     for index in range(config.num_layers):
         prefix = f"model.layers.{index}."
@@ -286,7 +287,7 @@ def block_projections(checkpoint, config) -> list[tuple]:
             weight = blocks.fused_from_checkpoint(
                 checkpoint, [prefix + n + ".weight" for n in names], biases
             )
-            products.append(lambda x, w=weight: w.apply(x.float().contiguous()))
+            products.append(lambda x, w=weight: w.apply(x.float().contiguous(), fine))
         layers.append(tuple(products))
     return layers
 
@@ -296,7 +297,7 @@ def emulated_quality(
 ) -> list[tuple]:
     """(configuration, perplexity, vs float32 in %, next-token agreement in %): float32, then
     every linear layer's input rounded by each scheme, then (with `kernels`) every layer's
-    products run by the block kernels on the file's blocks."""
+    products run by the block kernels on the file's blocks, with 8- and 12-bit activations."""
     from kvserve.bench.quality import quality_text, score_tokens
     from kvserve.model.gguf import GGUFCheckpoint
 
@@ -316,7 +317,13 @@ def emulated_quality(
     ]
     if kernels:
         checkpoint = GGUFCheckpoint(path)
-        configurations.append(("block kernels", block_projections(checkpoint, model.config)))
+        for fine in (False, True):
+            configurations.append(
+                (
+                    f"block kernels, {12 if fine else 8} bits / 32",
+                    block_projections(checkpoint, model.config, fine),
+                )
+            )
     for name, projections in configurations:
         model.projections[:] = projections
         try:

@@ -77,11 +77,11 @@ def declare(lib: ctypes.CDLL) -> None:
         "kvserve_blocks_record_bytes": ([i64], i64),
         "kvserve_blocks_pack": ([i64, p, i64, i64, p, i32], i32),
         "kvserve_blocks_unpack": ([i64, p, i64, i64, p, i32], i32),
-        "kvserve_blocks_quantize_f32": ([p, i64, i64, i64, p, p, p, i32], None),
-        "kvserve_blocks_quantize_bf16": ([p, i64, i64, i64, p, p, p, i32], None),
-        "kvserve_blocks_add_rmsnorm": ([p, p, p, i64, i64, f32, p, p, p, i32], None),
-        "kvserve_blocks_silu_mul": ([p, i64, i64, p, p, p, i32], None),
-        "kvserve_blocks_gemm": ([p, p, p, i64, i64, p, i64, p, i64, i32], i32),
+        "kvserve_blocks_quantize_f32": ([p, i64, i64, i64, p, p, p, p, i32], None),
+        "kvserve_blocks_quantize_bf16": ([p, i64, i64, i64, p, p, p, p, i32], None),
+        "kvserve_blocks_add_rmsnorm": ([p, p, p, i64, i64, f32, p, p, p, p, i32], None),
+        "kvserve_blocks_silu_mul": ([p, i64, i64, p, p, p, p, i32], None),
+        "kvserve_blocks_gemm": ([p, p, p, p, i64, i64, p, i64, p, i64, i32], i32),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
@@ -184,51 +184,63 @@ def unpack(qtype: str, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 class ActivationBlocks(NamedTuple):
-    """Rows in blocks of 32: values ~= q * scales per block, q in -127..127, and the sums of q
-    over each 16 values (the kernels' offset terms)."""
+    """Rows in blocks of 32: values ~= q * scales per block, q in -127..127 (8 bits); in the
+    finer form (`rest` given, 12 bits), values ~= (16 q + rest) * scales with rest in -8..8.
+    `sums` holds the sums of the integer values (q, or 16 q + rest) over each 16 values (the
+    kernels' offset terms)."""
 
     q: torch.Tensor  # [rows, k] int8
     scales: torch.Tensor  # [rows, k / 32] float32
     sums: torch.Tensor  # [rows, k / 16] int32
+    rest: torch.Tensor | None = None  # [rows, k] int8, the finer form only
 
     @property
     def rows(self) -> int:
         return self.q.shape[0]
 
+    @property
+    def fine(self) -> bool:
+        return self.rest is not None
+
+    def integers(self) -> torch.Tensor:
+        """The integer value of each activation, int32 [rows, k]."""
+        q = self.q.to(torch.int32)
+        return q if self.rest is None else 16 * q + self.rest.to(torch.int32)
+
     def dequantize(self) -> torch.Tensor:
         """The values the product sees, as float64 [rows, k] (a test reference)."""
         rows, k = self.q.shape
-        blocks = self.q.double().view(rows, k // ACT_BLOCK, ACT_BLOCK)
+        blocks = self.integers().double().view(rows, k // ACT_BLOCK, ACT_BLOCK)
         return (blocks * self.scales.double()[..., None]).view(rows, k)
 
 
-def _blocks_out(rows: int, k: int) -> ActivationBlocks:
+def _blocks_out(rows: int, k: int, fine: bool) -> ActivationBlocks:
     _require(k > 0 and k % ACT_BLOCK == 0, f"a row of {k} values is not whole blocks of 32")
     return ActivationBlocks(
         torch.empty(rows, k, dtype=torch.int8),
         torch.empty(rows, k // ACT_BLOCK, dtype=torch.float32),
         torch.empty(rows, k // 16, dtype=torch.int32),
+        torch.empty(rows, k, dtype=torch.int8) if fine else None,
     )
 
 
-def quantize(x: torch.Tensor) -> ActivationBlocks:
+def _out_pointers(out: ActivationBlocks | None) -> tuple:
+    if out is None:
+        return None, None, None, None
+    return out.q.data_ptr(), _ptr(out.rest), out.scales.data_ptr(), out.sums.data_ptr()
+
+
+def quantize(x: torch.Tensor, fine: bool = False) -> ActivationBlocks:
     """Activation blocks of x: [rows, k] float32 or bfloat16 (rows may be strided, each row
-    contiguous), k a multiple of 32."""
+    contiguous), k a multiple of 32; 8 bits a value, or 12 with `fine`."""
     _tensor(x, "x", 2, FLOAT_DTYPES, contiguous=False)
     rows, k = x.shape
     _require(x.stride(1) == 1 or k <= 1, "x's rows must be contiguous")
-    out = _blocks_out(rows, k)
+    out = _blocks_out(rows, k, fine)
     if rows == 0:
         return out
     getattr(_lib(), "kvserve_blocks_quantize" + _suffix(x))(
-        x.data_ptr(),
-        rows,
-        k,
-        x.stride(0),
-        out.q.data_ptr(),
-        out.scales.data_ptr(),
-        out.sums.data_ptr(),
-        torch.get_num_threads(),
+        x.data_ptr(), rows, k, x.stride(0), *_out_pointers(out), torch.get_num_threads()
     )
     return out
 
@@ -239,15 +251,17 @@ def add_rmsnorm(
     weight: torch.Tensor,
     eps: float,
     normalize: bool = True,
+    fine: bool = False,
 ) -> ActivationBlocks | None:
     """In place x += delta (when given); then, with `normalize`, the activation blocks of
-    rmsnorm(x) * weight. x, delta: [rows, hidden] float32 contiguous; weight: [hidden]."""
+    rmsnorm(x) * weight (12 bits with `fine`). x, delta: [rows, hidden] float32 contiguous;
+    weight: [hidden]."""
     _tensor(x, "x", 2, (torch.float32,))
     rows, hidden = x.shape
     if delta is not None:
         _tensor(delta, "delta", 2, (torch.float32,), shape=(rows, hidden))
     _tensor(weight, "norm weight", 1, (torch.float32,), shape=(hidden,))
-    out = _blocks_out(rows, hidden) if normalize else None
+    out = _blocks_out(rows, hidden, fine) if normalize else None
     if rows == 0:
         return out
     _lib().kvserve_blocks_add_rmsnorm(
@@ -257,31 +271,23 @@ def add_rmsnorm(
         rows,
         hidden,
         eps,
-        None if out is None else out.q.data_ptr(),
-        None if out is None else out.scales.data_ptr(),
-        None if out is None else out.sums.data_ptr(),
+        *_out_pointers(out),
         torch.get_num_threads(),
     )
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> ActivationBlocks:
+def silu_mul(gate_up: torch.Tensor, fine: bool = False) -> ActivationBlocks:
     """The activation blocks of silu(gate) * up from the gate|up product [rows, 2 * width]
-    float32 contiguous (gate columns first)."""
+    float32 contiguous (gate columns first); 12 bits with `fine`."""
     _tensor(gate_up, "gate|up", 2, (torch.float32,))
     rows, double = gate_up.shape
     _require(double % 2 == 0, "the gate|up product must have an even number of columns")
-    out = _blocks_out(rows, double // 2)
+    out = _blocks_out(rows, double // 2, fine)
     if rows == 0:
         return out
     _lib().kvserve_blocks_silu_mul(
-        gate_up.data_ptr(),
-        rows,
-        double // 2,
-        out.q.data_ptr(),
-        out.scales.data_ptr(),
-        out.sums.data_ptr(),
-        torch.get_num_threads(),
+        gate_up.data_ptr(), rows, double // 2, *_out_pointers(out), torch.get_num_threads()
     )
     return out
 
@@ -304,6 +310,8 @@ def gemm(x: ActivationBlocks, parts: Sequence[Part]) -> torch.Tensor:
     _require(k > 0 and k % ACT_BLOCK == 0, f"the product's inner size {k} must be whole blocks")
     _tensor(x.scales, "activation scales", 2, (torch.float32,), shape=(rows, k // ACT_BLOCK))
     _tensor(x.sums, "activation sums", 2, (torch.int32,), shape=(rows, k // 16))
+    if x.rest is not None:
+        _tensor(x.rest, "activation rests", 2, (torch.int8,), shape=(rows, k))
     _require(len(parts) > 0, "a product needs at least one weight")
     table = (WeightStruct * len(parts))()
     for entry, part in zip(table, parts, strict=True):
@@ -319,8 +327,11 @@ def gemm(x: ActivationBlocks, parts: Sequence[Part]) -> torch.Tensor:
     # The AVX2 product moves Q8_0's signs onto the row bytes, which -128 cannot take, and
     # its saturation bounds assume |q| <= 127 (blocks_gemm.c).
     _require(int(x.q.min()) > -128, "activation values must lie in -127..127")
+    if x.rest is not None:
+        _require(int(x.rest.min()) > -128, "activation rests must lie in -127..127")
     status = _lib().kvserve_blocks_gemm(
         x.q.data_ptr(),
+        _ptr(x.rest),
         x.scales.data_ptr(),
         x.sums.data_ptr(),
         rows,

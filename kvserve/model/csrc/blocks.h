@@ -59,29 +59,34 @@ int kvserve_blocks_unpack(int64_t format, const uint8_t *packed, int64_t n, int6
                           int num_threads);
 
 /* Rows x [rows][k] (row stride row_stride elements, k a multiple of 32) as activation blocks:
- * q [rows][k] int8 in -127..127, scales [rows][k / 32], sums [rows][k / 16] (the sum of q over
- * each 16 values). */
+ * q [rows][k] int8 in -127..127, scales [rows][k / 32], sums [rows][k / 16] (the sums of the
+ * integer values over each 16). Value j of a block is q[j] * scale, or, when rest is not NULL
+ * (the finer form, 12 bits), (16 q[j] + rest[j]) * scale with rest [rows][k] in -8..8. */
 void kvserve_blocks_quantize_f32(const float *x, int64_t rows, int64_t k, int64_t row_stride,
-                                 int8_t *q, float *scales, int32_t *sums, int num_threads);
+                                 int8_t *q, int8_t *rest, float *scales, int32_t *sums,
+                                 int num_threads);
 void kvserve_blocks_quantize_bf16(const uint16_t *x, int64_t rows, int64_t k, int64_t row_stride,
-                                  int8_t *q, float *scales, int32_t *sums, int num_threads);
+                                  int8_t *q, int8_t *rest, float *scales, int32_t *sums,
+                                  int num_threads);
 
 /* x [rows][hidden] += delta (when not NULL); then, when q is not NULL, the activation blocks of
  * rmsnorm(x) * weight (x * (1 / sqrt(mean(x^2) + eps)) * weight, as kvserve_add_rmsnorm_f32). */
 void kvserve_blocks_add_rmsnorm(float *x, const float *delta, const float *weight, int64_t rows,
-                                int64_t hidden, float eps, int8_t *q, float *scales,
+                                int64_t hidden, float eps, int8_t *q, int8_t *rest, float *scales,
                                 int32_t *sums, int num_threads);
 
 /* The activation blocks of silu(gate) * up from gate_up [rows][2 * width] (gate columns first). */
 void kvserve_blocks_silu_mul(const float *gate_up, int64_t rows, int64_t width, int8_t *q,
-                             float *scales, int32_t *sums, int num_threads);
+                             int8_t *rest, float *scales, int32_t *sums, int num_threads);
 
 /* out[r][c] = sum_j w[c][j] a[r][j] (+ bias[c]) for the activation blocks of `rows` rows of k
- * values and the parts' packed weights (each of k inputs), part p writing the columns after
- * those of parts 0..p-1 in rows of ldc floats. 0; -1 for an unknown format or a k that is not
- * whole blocks of a part's format; -2 when the product was not built (kvserve_blocks_isa 0). */
-int kvserve_blocks_gemm(const int8_t *q, const float *scales, const int32_t *sums, int64_t rows,
-                        int64_t k, const kvserve_blocks_weight *parts, int64_t num_parts,
-                        float *out, int64_t ldc, int num_threads);
+ * values (rest NULL for the 8-bit form) and the parts' packed weights (each of k inputs), part p
+ * writing the columns after those of parts 0..p-1 in rows of ldc floats. 0; -1 for an unknown
+ * format or a k that is not whole blocks of a part's format; -2 when the product was not built
+ * (kvserve_blocks_isa 0). */
+int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales,
+                        const int32_t *sums, int64_t rows, int64_t k,
+                        const kvserve_blocks_weight *parts, int64_t num_parts, float *out,
+                        int64_t ldc, int num_threads);
 
 #endif

@@ -38,7 +38,7 @@
  *         int32 without any intermediate rounding: the same exact sums.
  * The layout is the same for every instruction set (panels of 16 columns). AVX512 takes a
  * panel in one vector; AVX2 in two, side by side for tiles of 1-2 rows, or in two passes for
- * tiles of 3-4 rows (whose sums fill its 16 registers).
+ * tiles of 4 rows (whose sums fill its 16 registers).
  * Tiles: up to 4 rows on AVX2, 8 on AVX512 (eight independent vpdpbusd chains hide its
  * latency); each weight record is unpacked once per tile, so at 8-32 rows the unpacking is
  * shared by 4-8 rows. Measured on the shared AVX2 machine (kvserve/bench/blocks_bench.py, the
@@ -455,40 +455,61 @@ int kvserve_blocks_unpack(int64_t format, const uint8_t *packed, int64_t n, int6
  * Blocks of 32 as llama.cpp's Q8_0, with a float32 scale: e = max|v| / 127 (a block of zeros:
  * e = 0), p = round-to-nearest-even(v * 127 / max|v|) in -127..127, and the sum of p over each
  * 16 values (Q6_K's sub-blocks; two of them make a block's).
+ *
+ * With `rest` (the finer form, 12 bits): also r = round((v - e p) * 16 / e) in -8..8, so that
+ * v ~= (e / 16) * (16 p + r) within e / 32; the scale stored is e / 16 and the sums are those
+ * of 16 p + r. The small model's near-tied greedy choices need it (SmolLM2-135M's "capital of
+ * France" answer turns to "L'Etoile..." with 8 bits and stays "Paris" with 12; the q4 path
+ * found the same); the product then pays a second multiply per weight and input.
  */
-static inline void quantize_blocks_row(const float *v, int64_t k, int8_t *q, float *scales,
-                                       int32_t *sums) {
+static inline void quantize_blocks_row(const float *v, int64_t k, int8_t *q, int8_t *rest,
+                                       float *scales, int32_t *sums) {
     for (int64_t b = 0; b < k; b += 32) {
         float top = 0.f;
         _Pragma("omp simd reduction(max : top)") for (int64_t i = b; i < b + 32; i++) {
             const float m = fabsf(v[i]);
             top = m > top ? m : top;
         }
-        const float inverse = top > 0.f ? 127.f / top : 0.f;
-        int32_t low = 0, high = 0;
-        _Pragma("omp simd reduction(+ : low)") for (int64_t i = b; i < b + 16; i++) {
-            q[i] = (int8_t)nearbyintf(v[i] * inverse);
-            low += q[i];
+        const float inverse = top > 0.f ? 127.f / top : 0.f, e = top / 127.f;
+        int32_t half[2] = {0, 0};
+        for (int part = 0; part < 2; part++) {
+            int32_t total = 0;
+            const int64_t first = b + 16 * part;
+            if (rest) {
+                _Pragma("omp simd reduction(+ : total)") for (int64_t i = first; i < first + 16;
+                                                             i++) {
+                    const float p = nearbyintf(v[i] * inverse);
+                    float r = nearbyintf((v[i] - e * p) * inverse * 16.f);
+                    r = r > 8.f ? 8.f : (r < -8.f ? -8.f : r);
+                    q[i] = (int8_t)p;
+                    rest[i] = (int8_t)r;
+                    total += 16 * (int32_t)p + (int32_t)r;
+                }
+            } else {
+                _Pragma("omp simd reduction(+ : total)") for (int64_t i = first; i < first + 16;
+                                                             i++) {
+                    q[i] = (int8_t)nearbyintf(v[i] * inverse);
+                    total += q[i];
+                }
+            }
+            half[part] = total;
         }
-        _Pragma("omp simd reduction(+ : high)") for (int64_t i = b + 16; i < b + 32; i++) {
-            q[i] = (int8_t)nearbyintf(v[i] * inverse);
-            high += q[i];
-        }
-        scales[b / 32] = top / 127.f;
-        sums[b / 16] = low;
-        sums[b / 16 + 1] = high;
+        scales[b / 32] = rest ? e / 16.f : e;
+        sums[b / 16] = half[0];
+        sums[b / 16 + 1] = half[1];
     }
 }
 
 #define DEFINE_QUANTIZE(NAME, T, LOAD)                                                             \
-    void NAME(const T *x, int64_t rows, int64_t k, int64_t row_stride, int8_t *q, float *scales,  \
-              int32_t *sums, int num_threads) {                                                   \
+    void NAME(const T *x, int64_t rows, int64_t k, int64_t row_stride, int8_t *q, int8_t *rest,   \
+              float *scales, int32_t *sums, int num_threads) {                                    \
         _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")                        \
         for (int64_t r = 0; r < rows; r++) {                                                      \
             float v[k];                                                                           \
             const T *xr = x + r * row_stride;                                                     \
             _Pragma("omp simd") for (int64_t i = 0; i < k; i++) v[i] = LOAD(xr[i]);               \
-            quantize_blocks_row(v, k, q + r * k, scales + r * (k / 32), sums + r * (k / 16));     \
+            quantize_blocks_row(v, k, q + r * k, rest ? rest + r * k : NULL, scales + r * (k / 32), \
+                                sums + r * (k / 16));                                             \
         }                                                                                         \
     }
 
@@ -496,7 +517,7 @@ DEFINE_QUANTIZE(kvserve_blocks_quantize_f32, float, float_identity)
 DEFINE_QUANTIZE(kvserve_blocks_quantize_bf16, uint16_t, bf16_to_float)
 
 void kvserve_blocks_add_rmsnorm(float *x, const float *delta, const float *weight, int64_t rows,
-                                int64_t hidden, float eps, int8_t *q, float *scales,
+                                int64_t hidden, float eps, int8_t *q, int8_t *rest, float *scales,
                                 int32_t *sums, int num_threads) {
     _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")
     for (int64_t r = 0; r < rows; r++) {
@@ -516,21 +537,21 @@ void kvserve_blocks_add_rmsnorm(float *x, const float *delta, const float *weigh
         const float scale = 1.f / sqrtf(sum / (float)hidden + eps);
         float v[hidden];
         _Pragma("omp simd") for (int64_t i = 0; i < hidden; i++) v[i] = xr[i] * scale * weight[i];
-        quantize_blocks_row(v, hidden, q + r * hidden, scales + r * (hidden / 32),
-                            sums + r * (hidden / 16));
+        quantize_blocks_row(v, hidden, q + r * hidden, rest ? rest + r * hidden : NULL,
+                            scales + r * (hidden / 32), sums + r * (hidden / 16));
     }
 }
 
 void kvserve_blocks_silu_mul(const float *gate_up, int64_t rows, int64_t width, int8_t *q,
-                             float *scales, int32_t *sums, int num_threads) {
+                             int8_t *rest, float *scales, int32_t *sums, int num_threads) {
     _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * width, *up = gate + width;
         float v[width];
         _Pragma("omp simd") for (int64_t i = 0; i < width; i++) v[i] =
             gate[i] / (1.f + exp_approx(-gate[i])) * up[i];
-        quantize_blocks_row(v, width, q + r * width, scales + r * (width / 32),
-                            sums + r * (width / 16));
+        quantize_blocks_row(v, width, q + r * width, rest ? rest + r * width : NULL,
+                            scales + r * (width / 32), sums + r * (width / 16));
     }
 }
 
@@ -553,6 +574,7 @@ ALWAYS vi vi_sll16(vi a, int n) { return _mm512_slli_epi16(a, (unsigned)n); }
 ALWAYS vi vi_srl16(vi a, int n) { return _mm512_srli_epi16(a, (unsigned)n); }
 ALWAYS vi vi_set32(int32_t v) { return _mm512_set1_epi32(v); }
 ALWAYS vi vi_add32(vi a, vi b) { return _mm512_add_epi32(a, b); }
+ALWAYS vi vi_sll32(vi a, int n) { return _mm512_slli_epi32(a, (unsigned)n); }
 ALWAYS vi vi_sub32(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 ALWAYS vi vi_abs8(vi a) { return _mm512_abs_epi8(a); }
 /* x where w >= 0, -x where w < 0 (vpsignb's zero for w == 0 is not needed: |w| is 0 there) */
@@ -599,6 +621,7 @@ ALWAYS vi vi_sll16(vi a, int n) { return _mm256_slli_epi16(a, n); }
 ALWAYS vi vi_srl16(vi a, int n) { return _mm256_srli_epi16(a, n); }
 ALWAYS vi vi_set32(int32_t v) { return _mm256_set1_epi32(v); }
 ALWAYS vi vi_add32(vi a, vi b) { return _mm256_add_epi32(a, b); }
+ALWAYS vi vi_sll32(vi a, int n) { return _mm256_slli_epi32(a, n); }
 ALWAYS vi vi_sub32(vi a, vi b) { return _mm256_sub_epi32(a, b); }
 ALWAYS vi vi_abs8(vi a) { return _mm256_abs_epi8(a); }
 ALWAYS vi vi_sign8(vi x, vi w) { return _mm256_sign_epi8(x, w); }
@@ -661,10 +684,10 @@ ALWAYS vi keep(vi v) {
     return v;
 }
 
-/* The rows of a tile: row i's values at q + i * k, its scales at e + i * (k / 32), its sums of
- * 16 at s + i * (k / 16). */
+/* The rows of a tile: row i's values at q + i * k (and their rests at r + i * k in the finer
+ * form, else r is NULL), its scales at e + i * (k / 32), its sums of 16 at s + i * (k / 16). */
 typedef struct {
-    const int8_t *q;
+    const int8_t *q, *r;
     const float *e;
     const int32_t *s;
     int64_t k;
@@ -680,8 +703,8 @@ ALWAYS vi to_bit4(vi high, int t) {
 /*
  * Vectors of columns a tile covers: on AVX2 a tile of 1 or 2 rows takes the panel's 16 columns
  * in one pass (2 vectors), so that each record is read once, as it streams from memory, and
- * the activation broadcasts and scalar work are shared; 3 or more rows go in two passes of 8
- * columns (their sums fill the registers). AVX512's one vector is the panel.
+ * the activation broadcasts and scalar work are shared; a tile of 4 rows goes in two passes of
+ * 8 columns (its sums fill the registers). AVX512's one vector is the panel.
  */
 #define NV_FOR(rows) (VW == 8 && (rows) <= 2 ? 2 : 1)
 #define LANES (4 * VW) /* bytes of one vector's columns in a 64-byte vector of the layout */
@@ -693,18 +716,18 @@ ALWAYS vi to_bit4(vi high, int t) {
  * (bits 2). group: 4-input steps whose int16 pair sums may be added before widening (AVX2, see
  * above).
  */
-ALWAYS void block_sums(const int MR_, const int NV, const int bits, const int group,
-                       const int chunks, const uint8_t *nib, const uint8_t *high,
+ALWAYS void block_sums(const int MR_, const int NV, const int fine, const int bits,
+                       const int group, const int chunks, const uint8_t *nib, const uint8_t *high,
                        const tile_rows *rows, int64_t offset, vi acc[][2]) {
     const vi low4 = vi_bytes(0x0F);
     const vi mask = vi_bytes(bits == 2 ? 0x30 : 0x10);
     vi h0[2];
-    vsum sums[MR][2];
+    vsum sums[MR][2], rests[MR][2];
     for (int v = 0; v < NV; v++) h0[v] = bits ? vi_load(high + LANES * v) : vi_zero();
     for (int i = 0; i < MR_; i++)
         for (int v = 0; v < NV; v++) {
             acc[i][v] = vi_zero();
-            sums[i][v] = vsum_zero();
+            sums[i][v] = rests[i][v] = vsum_zero();
         }
     _Pragma("GCC unroll 4") for (int h = 0; h < chunks; h++) {
         vi u0[2], u1[2];
@@ -727,11 +750,26 @@ ALWAYS void block_sums(const int MR_, const int NV, const int bits, const int gr
                 sums[i][v] = keep(vsum_step(sums[i][v], u0[v], x0));
                 sums[i][v] = keep(vsum_step(sums[i][v], u1[v], x1));
             }
+            if (fine) { /* the rests, |r| <= 8: far inside the same bounds */
+                const int8_t *pr = rows->r + i * rows->k + offset + 8 * h;
+                const vi r0 = vi_bcast4(pr), r1 = vi_bcast4(pr + 4);
+                _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+                    rests[i][v] = keep(vsum_step(rests[i][v], u0[v], r0));
+                    rests[i][v] = keep(vsum_step(rests[i][v], u1[v], r1));
+                }
+            }
         }
         if ((2 * h + 2) % group == 0) {
             _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++)
                 _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
-                    acc[i][v] = keep(vi_add_sum(acc[i][v], sums[i][v]));
+                    if (fine) { /* sum of u (16 p + r), exact: |.| < 32 * 63 * 2040 */
+                        const vi coarse = vi_add_sum(vi_zero(), sums[i][v]);
+                        acc[i][v] = vi_add32(acc[i][v], vi_sll32(coarse, 4));
+                        acc[i][v] = keep(vi_add_sum(acc[i][v], rests[i][v]));
+                        rests[i][v] = vsum_zero();
+                    } else {
+                        acc[i][v] = keep(vi_add_sum(acc[i][v], sums[i][v]));
+                    }
                     sums[i][v] = vsum_zero();
                 }
         }
@@ -739,8 +777,8 @@ ALWAYS void block_sums(const int MR_, const int NV, const int bits, const int gr
 }
 
 /* Q8_0: signed bytes; |w| is unpacked once, and the sign moves onto each row's bytes. */
-ALWAYS void block_sums8(const int MR_, const int NV, const uint8_t *bytes, const tile_rows *rows,
-                        int64_t offset, vi acc[][2]) {
+ALWAYS void block_sums8(const int MR_, const int NV, const int fine, const uint8_t *bytes,
+                        const tile_rows *rows, int64_t offset, vi acc[][2]) {
     for (int i = 0; i < MR_; i++)
         for (int v = 0; v < NV; v++) acc[i][v] = vi_zero();
     _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
@@ -751,8 +789,15 @@ ALWAYS void block_sums8(const int MR_, const int NV, const uint8_t *bytes, const
         }
         _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
             const vi x = vi_bcast4(rows->q + i * rows->k + offset + 4 * s);
-            _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) acc[i][v] =
-                keep(vi_add_sum(acc[i][v], vsum_step(vsum_zero(), u[v], vi_sign8(x, w[v]))));
+            _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+                vi part = vi_add_sum(vi_zero(), vsum_step(vsum_zero(), u[v], vi_sign8(x, w[v])));
+                if (fine) {
+                    const vi r = vi_bcast4(rows->r + i * rows->k + offset + 4 * s);
+                    part = vi_add_sum(vi_sll32(part, 4),
+                                      vsum_step(vsum_zero(), u[v], vi_sign8(r, w[v])));
+                }
+                acc[i][v] = keep(vi_add32(acc[i][v], part));
+            }
         }
     }
 }
@@ -772,8 +817,9 @@ ALWAYS void block_sums8(const int MR_, const int NV, const uint8_t *bytes, const
  * where S' is the exact integer sum (less z * P for Q4_0 / Q5_0 / Q6_K's offsets) and res' is
  * res less the block's M * (e * P) for the formats with an offset per block.
  */
-ALWAYS void tile_products(const int format, const int MR_, const int NV, const uint8_t *panel,
-                          int64_t records, int64_t lane, const tile_rows *rows, vf res[][2]) {
+ALWAYS void tile_products(const int format, const int MR_, const int NV, const int fine,
+                          const uint8_t *panel, int64_t records, int64_t lane,
+                          const tile_rows *rows, vf res[][2]) {
     const format_info *f = &FORMATS[format_slot(format)];
     vi acc[MR][2];
     for (int64_t r = 0; r < records; r++) {
@@ -789,11 +835,11 @@ ALWAYS void tile_products(const int format, const int MR_, const int NV, const u
         if (f->values == 32) {
             const int64_t block = r;
             if (format == KVSERVE_BLOCKS_Q8_0) {
-                block_sums8(MR_, NV, rec + lane, rows, 32 * block, acc);
+                block_sums8(MR_, NV, fine, rec + lane, rows, 32 * block, acc);
             } else {
                 const int bits = f->high >= 0 ? 1 : 0;
-                block_sums(MR_, NV, bits, bits ? 4 : 8, 4, rec + lane, rec + f->high + lane, rows,
-                           32 * block, acc);
+                block_sums(MR_, NV, fine, bits, bits ? 4 : 8, 4, rec + lane, rec + f->high + lane,
+                           rows, 32 * block, acc);
             }
             vf m[2] = {vf_zero(), vf_zero()};
             if (f->dmin >= 0)
@@ -818,7 +864,7 @@ ALWAYS void tile_products(const int format, const int MR_, const int NV, const u
             /* sub-blocks of 16, each finished (float update) before the next: one sum a row */
             _Pragma("GCC unroll 1") for (int j = 0; j < 16; j++) {
                 const int64_t block = 8 * r + j / 2;
-                block_sums(MR_, NV, 2, 2, 2, rec + 256 * (j / 2) + 128 * (j % 2) + lane,
+                block_sums(MR_, NV, fine, 2, 2, 2, rec + 256 * (j / 2) + 128 * (j % 2) + lane,
                            rec + f->high + 64 * j + lane, rows, 16 * (16 * r + j), acc);
                 vf scale[2];
                 for (int v = 0; v < NV; v++)
@@ -840,7 +886,7 @@ ALWAYS void tile_products(const int format, const int MR_, const int NV, const u
             const int bits = f->high >= 0 ? 1 : 0;
             _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
                 const int64_t block = 8 * r + j;
-                block_sums(MR_, NV, bits, bits ? 4 : 8, 4, rec + 256 * j + lane,
+                block_sums(MR_, NV, fine, bits, bits ? 4 : 8, 4, rec + 256 * j + lane,
                            rec + f->high + 64 * j + lane, rows, 32 * block, acc);
                 vf scale[2], low[2];
                 for (int v = 0; v < NV; v++) {
@@ -871,7 +917,10 @@ ALWAYS void tile_pass(const int format, const int MR_, const uint8_t *panel, int
     vf res[MR][2];
     for (int i = 0; i < MR_; i++)
         for (int v = 0; v < NV; v++) res[i][v] = vf_zero();
-    tile_products(format, MR_, NV, panel, records, lane, rows, res);
+    if (rows->r) /* each form its own code */
+        tile_products(format, MR_, NV, 1, panel, records, lane, rows, res);
+    else
+        tile_products(format, MR_, NV, 0, panel, records, lane, rows, res);
     float tail[VW];
     for (int v = 0; v < NV && v * VW < cols; v++) {
         const int64_t width = cols - v * VW < VW ? cols - v * VW : VW;
@@ -904,20 +953,24 @@ typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const tile_rows *, co
         tile_pass(FORMAT, ROWS, panel, records, lane, rows, bias, out, ldc, cols);                \
     }
 
+/* Tiles of 1, 2, 4 (and 8) rows; other counts go as sums of these (7 = 4 + 2 + 1): a row's
+ * result is the same in any tile, and half the instances compile in half the time. */
 #if MR == 8
 #define DEFINE_TILES(NAME, FORMAT)                                                                 \
-    DEFINE_TILE(NAME, FORMAT, 1) DEFINE_TILE(NAME, FORMAT, 2) DEFINE_TILE(NAME, FORMAT, 3)         \
-    DEFINE_TILE(NAME, FORMAT, 4) DEFINE_TILE(NAME, FORMAT, 5) DEFINE_TILE(NAME, FORMAT, 6)         \
-    DEFINE_TILE(NAME, FORMAT, 7) DEFINE_TILE(NAME, FORMAT, 8)                                      \
-    static const tile_fn tiles_##NAME[MR + 1] = {NULL,             tile_##NAME##_1, tile_##NAME##_2, \
-                                                 tile_##NAME##_3,  tile_##NAME##_4, tile_##NAME##_5, \
-                                                 tile_##NAME##_6,  tile_##NAME##_7, tile_##NAME##_8};
+    DEFINE_TILE(NAME, FORMAT, 1)                                                                   \
+    DEFINE_TILE(NAME, FORMAT, 2)                                                                   \
+    DEFINE_TILE(NAME, FORMAT, 4)                                                                   \
+    DEFINE_TILE(NAME, FORMAT, 8)                                                                   \
+    static const tile_fn tiles_##NAME[MR + 1] = {NULL, tile_##NAME##_1, tile_##NAME##_2, NULL,     \
+                                                 tile_##NAME##_4, NULL, NULL, NULL,               \
+                                                 tile_##NAME##_8};
 #else
 #define DEFINE_TILES(NAME, FORMAT)                                                                 \
-    DEFINE_TILE(NAME, FORMAT, 1) DEFINE_TILE(NAME, FORMAT, 2) DEFINE_TILE(NAME, FORMAT, 3)         \
+    DEFINE_TILE(NAME, FORMAT, 1)                                                                   \
+    DEFINE_TILE(NAME, FORMAT, 2)                                                                   \
     DEFINE_TILE(NAME, FORMAT, 4)                                                                   \
-    static const tile_fn tiles_##NAME[MR + 1] = {NULL, tile_##NAME##_1, tile_##NAME##_2,          \
-                                                 tile_##NAME##_3, tile_##NAME##_4};
+    static const tile_fn tiles_##NAME[MR + 1] = {NULL, tile_##NAME##_1, tile_##NAME##_2, NULL,     \
+                                                 tile_##NAME##_4};
 #endif
 
 DEFINE_TILES(q4_0, KVSERVE_BLOCKS_Q4_0)
@@ -943,9 +996,10 @@ static const tile_fn *tiles_of(int64_t format) {
     }
 }
 
-int kvserve_blocks_gemm(const int8_t *q, const float *scales, const int32_t *sums, int64_t rows,
-                        int64_t k, const kvserve_blocks_weight *parts, int64_t num_parts,
-                        float *out, int64_t ldc, int num_threads) {
+int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales,
+                        const int32_t *sums, int64_t rows, int64_t k,
+                        const kvserve_blocks_weight *parts, int64_t num_parts, float *out,
+                        int64_t ldc, int num_threads) {
     if (num_parts <= 0 || k <= 0 || k % 32) return -1;
     int64_t first_panel[num_parts + 1], first_column[num_parts + 1];
     first_panel[0] = first_column[0] = 0;
@@ -976,10 +1030,12 @@ int kvserve_blocks_gemm(const int8_t *q, const float *scales, const int32_t *sum
         const int64_t local = panel - first_panel[p], records = k / f->values;
         const uint8_t *data = w->packed + local * records * f->record;
         const int64_t column = local * PANEL, cols = w->n - column < PANEL ? w->n - column : PANEL;
-        for (int64_t r = start; r < stop; r += MR) {
-            const int64_t count = stop - r < MR ? stop - r : MR;
+        for (int64_t r = start, count; r < stop; r += count) {
+            count = MR; /* the largest tile that fits the rows left */
+            while (count > stop - r) count /= 2;
             const int64_t span = NV_FOR(count) * VW; /* columns of one pass */
-            const tile_rows tile = {q + r * k, scales + r * (k / 32), sums + r * (k / 16), k};
+            const tile_rows tile = {q + r * k, rest ? rest + r * k : NULL, scales + r * (k / 32),
+                                    sums + r * (k / 16), k};
             for (int64_t at = 0; at < cols; at += span) {
                 const int64_t width = cols - at < span ? cols - at : span;
                 float *o = out + r * ldc + first_column[p] + column + at;
@@ -993,11 +1049,12 @@ int kvserve_blocks_gemm(const int8_t *q, const float *scales, const int32_t *sum
 
 #else
 
-int kvserve_blocks_gemm(const int8_t *q, const float *scales, const int32_t *sums, int64_t rows,
-                        int64_t k, const kvserve_blocks_weight *parts, int64_t num_parts,
-                        float *out, int64_t ldc, int num_threads) {
-    (void)q, (void)scales, (void)sums, (void)rows, (void)k, (void)parts, (void)num_parts,
-        (void)out, (void)ldc, (void)num_threads;
+int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales,
+                        const int32_t *sums, int64_t rows, int64_t k,
+                        const kvserve_blocks_weight *parts, int64_t num_parts, float *out,
+                        int64_t ldc, int num_threads) {
+    (void)q, (void)rest, (void)scales, (void)sums, (void)rows, (void)k, (void)parts,
+        (void)num_parts, (void)out, (void)ldc, (void)num_threads;
     return -2;
 }
 
