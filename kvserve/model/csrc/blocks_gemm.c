@@ -19,12 +19,14 @@
  * or 16 columns and give the same float32 results, bit for bit.
  *
  * Why 8-bit activations per block of 32 (llama.cpp's Q8_0): measured on Qwen2.5-Coder-0.5B's
- * Q4_K_M file (2,000 tokens of the quality text, emulated in float against the dequantized
- * float32 model), perplexity -0.16% and 98.7% of next tokens equal; blocks of 256 (Q8_K):
- * +0.10%, 98.2%; 12 bits per block of 32: +0.01%, 100%. On SmolLM2-135M's Q4_1 file (4,000
- * tokens): +0.33% and 97.7% for 8 bits per 32, -0.01% and 99.9% for 12 bits. Eight bits cost
- * one multiply per weight and input; 12 would cost two (the q4 path's price: half int8's speed
- * at many rows), for a gain that the acceptance margin (1%, 95%) does not need.
+ * Q4_K_M file (2,000 tokens of the quality text against the float32 model of the dequantized
+ * blocks, kvserve/bench/blocks_bench.py --quality): every layer's products through these
+ * kernels, perplexity -0.08% and 98.9% of next tokens equal; emulated in float, blocks of 32
+ * -0.16% and 98.7%, blocks of 256 (Q8_K) +0.10% and 98.2%, 12 bits per block of 32 +0.01% and
+ * 100%. Eight bits cost one multiply per weight and input. On SmolLM2-135M's Q4_1 file 8 bits
+ * lose a near-tied greedy answer ("Paris"), as the q4 path found; the finer form (a 4-bit rest
+ * beside each int8, see quantize_blocks_row) keeps it, for a second multiply: 1.5x the time at
+ * 8-32 rows on AVX2 (2x for Q8_0), 1.1-1.3x at one row.
  *
  * The integer sums, per 32-bit lane (one output column, 4 consecutive inputs):
  *   AVX2: vpmaddubsw (unsigned u times signed p, pairs summed into int16), then vpmaddwd by ones
