@@ -16,9 +16,11 @@ layer's products run by the kernels, perplexity -0.08% and 98.9% of next tokens 
 model of the same weights (kvserve/bench/blocks_bench.py --quality). Small models can need
 more: on SmolLM2-135M the "capital of France" answer turns from "Paris" to "L'Etoile..." (a
 near tie). `fine=True` gives 12 bits (a coarse int8 and a 4-bit rest, as the q4 path), for a
-second multiply per weight and input. The product's integer sums are exact and its float work one fixed sequence
-per output: a row's result does not depend on the other rows of the call, the thread count or
-the instruction set (AVX2, AVX-VNNI, AVX512-VNNI).
+second multiply per weight and input.
+
+The product's integer sums are exact and its float work one fixed sequence per output: a row's
+result does not depend on the other rows of the call, the thread count or the instruction set
+(AVX2, AVX-VNNI, AVX512-VNNI).
 
 Typical use::
 

@@ -21,9 +21,9 @@
  * Why 8-bit activations per block of 32 (llama.cpp's Q8_0): measured on Qwen2.5-Coder-0.5B's
  * Q4_K_M file (2,000 tokens of the quality text against the float32 model of the dequantized
  * blocks, kvserve/bench/blocks_bench.py --quality): every layer's products through these
- * kernels, perplexity -0.08% and 98.9% of next tokens equal; emulated in float, blocks of 32
- * -0.16% and 98.7%, blocks of 256 (Q8_K) +0.10% and 98.2%, 12 bits per block of 32 +0.01% and
- * 100%. Eight bits cost one multiply per weight and input. On SmolLM2-135M's Q4_1 file 8 bits
+ * kernels, perplexity -0.08% and 98.9% of next tokens equal (12 bits: +0.00%, 99.95%);
+ * emulated in float, blocks of 32 -0.07% and 98.75%, blocks of 256 (Q8_K) -0.06% and 98.55%.
+ * Eight bits cost one multiply per weight and input. On SmolLM2-135M's Q4_1 file 8 bits
  * lose a near-tied greedy answer ("Paris"), as the q4 path found; the finer form (a 4-bit rest
  * beside each int8, see quantize_blocks_row) keeps it, for a second multiply: 1.5x the time at
  * 8-32 rows on AVX2 (2x for Q8_0), 1.1-1.3x at one row.
@@ -272,8 +272,9 @@ ALWAYS void read_block(const int64_t format, const uint8_t *b, column_block *out
          * from bits 2t, 2t + 1 of qh[32 a + l] */
         const uint8_t *ql = b, *qh = b + 128;
         for (int a = 0; a < 2; a++) {
-            for (int h = 0; h < 2; h++) nibbles_of(ql + 64 * a, 4 * h, 64, out->u + 128 * a + 64 * h);
-            for (int t = 0; t < 4; t++) high_of(qh + 32 * a, 2 * t, 0x03, 32, out->u + 128 * a + 32 * t);
+            uint8_t *u = out->u + 128 * a;
+            for (int h = 0; h < 2; h++) nibbles_of(ql + 64 * a, 4 * h, 64, u + 64 * h);
+            for (int t = 0; t < 4; t++) high_of(qh + 32 * a, 2 * t, 0x03, 32, u + 32 * t);
         }
         memcpy(out->sc, b + 192, 16);
         out->d = load16(b + 208);
@@ -301,7 +302,8 @@ static inline void put_high_bits(uint8_t *high, int c, const uint8_t *u) {
 static inline void put_high_pairs(uint8_t *high, int c, const uint8_t *u) {
     for (int v = 0; v < 2; v++) { /* byte (v, b), bits 2t, 2t+1: bits 4, 5 of u[16v + 4t + b] */
         uint32_t pairs = 0;
-        for (int t = 0; t < 4; t++) pairs |= ((word32(u + 16 * v + 4 * t) >> 4) & 0x03030303u) << (2 * t);
+        for (int t = 0; t < 4; t++)
+            pairs |= ((word32(u + 16 * v + 4 * t) >> 4) & 0x03030303u) << (2 * t);
         put_word32(high + 64 * v + 4 * c, pairs);
     }
 }
@@ -394,7 +396,7 @@ int kvserve_blocks_pack(int64_t format, const uint8_t *raw, int64_t n, int64_t k
     return 0;
 }
 
-/* ---- unpacking (float32, ggml's arithmetic) ---------------------------------------------------- */
+/* ---- unpacking (float32, ggml's arithmetic) ----------------------------------------------- */
 
 static inline int unpacked_u(const format_info *f, const uint8_t *rec, int c, int j) {
     const int s = j / 32, i = j % 32;
@@ -510,8 +512,8 @@ static inline void quantize_blocks_row(const float *v, int64_t k, int8_t *q, int
             float v[k];                                                                           \
             const T *xr = x + r * row_stride;                                                     \
             _Pragma("omp simd") for (int64_t i = 0; i < k; i++) v[i] = LOAD(xr[i]);               \
-            quantize_blocks_row(v, k, q + r * k, rest ? rest + r * k : NULL, scales + r * (k / 32), \
-                                sums + r * (k / 16));                                             \
+            quantize_blocks_row(v, k, q + r * k, rest ? rest + r * k : NULL,                      \
+                                scales + r * (k / 32), sums + r * (k / 16));                      \
         }                                                                                         \
     }
 
@@ -638,7 +640,9 @@ ALWAYS vi vi_add_sum(vi acc, vsum s) { return _mm256_add_epi32(acc, s); }
 /* int16 lanes: pair sums of vpmaddubsw, added while the bound in the header comment holds */
 typedef __m256i vsum;
 ALWAYS vsum vsum_zero(void) { return _mm256_setzero_si256(); }
-ALWAYS vsum vsum_step(vsum s, vi u, vi x) { return _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x)); }
+ALWAYS vsum vsum_step(vsum s, vi u, vi x) {
+    return _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x));
+}
 ALWAYS vi vi_add_sum(vi acc, vsum s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
 }
