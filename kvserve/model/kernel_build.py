@@ -118,6 +118,8 @@ _DECODE_Q8 = "q:p q_row_stride:i64 kv:p scales:p " + _DECODE_TAIL
 _QUANTIZE_ROWS = "x:p rows:i64 width:i64 row_stride:i64 q:p scales:p num_threads:i32"
 _DEQUANTIZE = "acc:p row_scales:p col_scales:p bias:p out:p rows:i64 cols:i64 num_threads:i32"
 _QUANTIZE_BLOCKS = "x:p rows:i64 width:i64 row_stride:i64 q:p scales:p sums:p num_threads:i32"
+_BLOCKS_OUT = "q:p rest:p scales:p sums:p num_threads:i32"
+_BLOCKS_QUANTIZE = "x:p rows:i64 k:i64 row_stride:i64 " + _BLOCKS_OUT
 _DRIVER_STEP = (
     "positions:p cos:p sin:p slots:p tables:p table_width:i64 row_tables:p lengths:p "
     "num_blocks:i64 block_size:i64"
@@ -244,6 +246,42 @@ FAMILIES: tuple[Family, ...] = (
             ),
         ),
         probe="kvserve_q4_available",
+    ),
+    Family(
+        "blocks",
+        ("blocks_gemm.c",),
+        "blocks.h",
+        (
+            _S("kvserve_blocks_isa", "i32", ""),
+            _S("kvserve_blocks_block_values", "i64", "format:i64"),
+            _S("kvserve_blocks_gguf_bytes", "i64", "format:i64"),
+            _S("kvserve_blocks_record_bytes", "i64", "format:i64"),
+            _S(
+                "kvserve_blocks_pack",
+                "i32",
+                "format:i64 raw:p n:i64 k:i64 packed:p num_threads:i32",
+            ),
+            _S(
+                "kvserve_blocks_unpack",
+                "i32",
+                "format:i64 packed:p n:i64 k:i64 out:p num_threads:i32",
+            ),
+            _S("kvserve_blocks_quantize_f32", None, _BLOCKS_QUANTIZE),
+            _S("kvserve_blocks_quantize_bf16", None, _BLOCKS_QUANTIZE),
+            _S(
+                "kvserve_blocks_add_rmsnorm",
+                None,
+                "x:p delta:p weight:p rows:i64 hidden:i64 eps:f32 " + _BLOCKS_OUT,
+            ),
+            _S("kvserve_blocks_silu_mul", None, "gate_up:p rows:i64 width:i64 " + _BLOCKS_OUT),
+            _S(
+                "kvserve_blocks_gemm",
+                "i32",
+                "q:p rest:p scales:p sums:p rows:i64 k:i64 parts:p num_parts:i64 out:p "
+                "ldc:i64 num_threads:i32",
+            ),
+        ),
+        probe="kvserve_blocks_isa",
     ),
     Family(
         "bitmask",

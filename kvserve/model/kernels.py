@@ -23,12 +23,23 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvserve.model import kernel_build
+from kvserve.model.block_formats import (
+    ACT_BLOCK,
+    FORMATS,
+    ISAS,
+    ActivationBlocks,
+    BlockFormat,
+    Part,
+    packed_shape,
+)
 
 log = logging.getLogger("kvserve.model")
 
@@ -206,6 +217,21 @@ class CpuKernels:
         self.f32_row_product = bool(probe("kvserve_f32_gemm_available"))
         self.kv_int8 = bool(probe("kvserve_kv_int8_available")) and self.has("attention")
         self.q4 = bool(probe("kvserve_q4_available")) and self.has("layer_ops", "attention")
+        self.blocks_isa: str | None = ISAS.get(probe("kvserve_blocks_isa"))
+        if self.has("blocks"):
+            self._check_block_formats()
+
+    def _check_block_formats(self) -> None:
+        """The Python table of block formats must be the C one: a mismatch would mis-size
+        every check of the block kernels."""
+        for f in FORMATS.values():
+            got = (
+                self._fn["kvserve_blocks_block_values"](f.ggml_type),
+                self._fn["kvserve_blocks_gguf_bytes"](f.ggml_type),
+                self._fn["kvserve_blocks_record_bytes"](f.ggml_type),
+            )
+            if got != (f.values, f.gguf_bytes, f.record_bytes):
+                raise RuntimeError(f"blocks_gemm.c's {f.name} is {got}, not as block_formats.py")
 
     @classmethod
     def none(cls, reason: str) -> CpuKernels:
@@ -233,6 +259,8 @@ class CpuKernels:
             paths.append(f"int8 products by {self.int8_gemm_isa}")
         if self.f32_row_product:
             paths.append("float32 row product")
+        if self.blocks_isa:
+            paths.append(f"GGUF block products by {self.blocks_isa}")
         paths.append("int8 KV cache" if self.kv_int8 else "no int8 KV cache (needs AVX512-VNNI)")
         paths.append("4-bit blocks" if self.q4 else "no 4-bit blocks (need AVX512-VNNI)")
         line = f"CPU kernels for {isa}: {', '.join(self.families)}; {', '.join(paths)}"
@@ -250,6 +278,7 @@ class CpuKernels:
             "f32_row_product": self.f32_row_product,
             "kv_int8": self.kv_int8,
             "q4": self.q4,
+            "blocks": self.blocks_isa,
         }
 
     def _call(self, name: str):
@@ -841,6 +870,152 @@ class CpuKernels:
         )
         return out
 
+    # -- GGUF blocks (csrc/blocks_gemm.c) -------------------------------------------------------
+
+    def blocks_pack(self, fmt: BlockFormat, raw: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """GGUF rows of blocks (uint8 [n, row bytes], row c = output column c) in the kernel's
+        layout: uint8 [ceil(n / 16), blocks, record bytes]. A read-only memory map is read,
+        never copied whole."""
+        raw = _raw_array(raw)
+        n, row_bytes = raw.shape
+        _require(
+            n > 0 and row_bytes > 0 and row_bytes % fmt.gguf_bytes == 0,
+            f"a {fmt.name} weight of {n} rows of {row_bytes} bytes is not whole blocks of "
+            f"{fmt.gguf_bytes} bytes",
+        )
+        k = row_bytes // fmt.gguf_bytes * fmt.values
+        packed = torch.empty(packed_shape(fmt, n, k), dtype=torch.uint8)
+        status = self._call("kvserve_blocks_pack")(
+            fmt.ggml_type, raw.ctypes.data, n, k, packed.data_ptr(), _threads()
+        )
+        _require(status == 0, f"the packing kernel refused a {fmt.name} weight [{n}, {k}]")
+        return packed
+
+    def blocks_unpack(
+        self, fmt: BlockFormat, packed: torch.Tensor, n: int, k: int
+    ) -> torch.Tensor:
+        """A packed weight back as float32 [n, k], with ggml's arithmetic (equal to
+        `gguf.quants.dequantize` of the file's blocks)."""
+        check_block_packed(fmt, packed, n, k)
+        out = torch.empty(n, k, dtype=torch.float32)
+        status = self._call("kvserve_blocks_unpack")(
+            fmt.ggml_type, packed.data_ptr(), n, k, out.data_ptr(), _threads()
+        )
+        _require(status == 0, f"the unpacking kernel refused a {fmt.name} weight [{n}, {k}]")
+        return out
+
+    def blocks_quantize(self, x: torch.Tensor, fine: bool = False) -> ActivationBlocks:
+        """Activation blocks of x: [rows, k] float32 or bfloat16 (rows may be strided, each row
+        contiguous), k a multiple of 32; 8 bits a value, or 12 with `fine`."""
+        check_tensor(x, "x", 2, FLOAT_DTYPES, contiguous=False)
+        rows, k = x.shape
+        _require(x.stride(1) == 1 or k <= 1, "x's rows must be contiguous")
+        out = _activation_blocks(rows, k, fine)
+        if rows == 0:
+            return out
+        self._call("kvserve_blocks_quantize" + _suffix(x))(
+            x.data_ptr(), rows, k, x.stride(0), *_block_pointers(out), _threads()
+        )
+        return out
+
+    def blocks_add_rmsnorm(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        eps: float,
+        normalize: bool = True,
+        fine: bool = False,
+    ) -> ActivationBlocks | None:
+        """In place x += delta (when given); then, with `normalize`, the activation blocks of
+        rmsnorm(x) * weight (12 bits with `fine`). x, delta: [rows, hidden] float32 contiguous;
+        weight: [hidden] float32."""
+        check_tensor(x, "x", 2, (torch.float32,))
+        rows, hidden = x.shape
+        if delta is not None:
+            check_tensor(delta, "delta", 2, (torch.float32,), shape=(rows, hidden))
+        out = None
+        if normalize:
+            _require(weight is not None, "normalizing needs the norm weight")
+            check_tensor(weight, "norm weight", 1, (torch.float32,), shape=(hidden,))
+            out = _activation_blocks(rows, hidden, fine)
+        if rows == 0:
+            return out
+        self._call("kvserve_blocks_add_rmsnorm")(
+            x.data_ptr(),
+            _ptr(delta),
+            _ptr(weight) if normalize else None,
+            rows,
+            hidden,
+            eps,
+            *_block_pointers(out),
+            _threads(),
+        )
+        return out
+
+    def blocks_silu_mul(self, gate_up: torch.Tensor, fine: bool = False) -> ActivationBlocks:
+        """The activation blocks of silu(gate) * up from the gate|up product [rows, 2 * width]
+        float32 contiguous (gate columns first); 12 bits with `fine`."""
+        check_tensor(gate_up, "gate|up", 2, (torch.float32,))
+        rows, double = gate_up.shape
+        _require(double % 2 == 0, "the gate|up product must have an even number of columns")
+        out = _activation_blocks(rows, double // 2, fine)
+        if rows == 0:
+            return out
+        self._call("kvserve_blocks_silu_mul")(
+            gate_up.data_ptr(), rows, double // 2, *_block_pointers(out), _threads()
+        )
+        return out
+
+    def blocks_gemm(self, x: ActivationBlocks, parts: Sequence[Part]) -> torch.Tensor:
+        """x's rows times each part's weight transposed, the parts' columns side by side:
+        float32 [rows, sum of n] (+ each part's bias). Every part has x's k inputs."""
+        _require(self.blocks_isa is not None, "the block product needs the C kernels and AVX2")
+        check_tensor(x.q, "activation values", 2, (torch.int8,))
+        rows, k = x.q.shape
+        _require(
+            k > 0 and k % ACT_BLOCK == 0, f"the product's inner size {k} must be whole blocks"
+        )
+        check_tensor(
+            x.scales, "activation scales", 2, (torch.float32,), shape=(rows, k // ACT_BLOCK)
+        )
+        check_tensor(x.sums, "activation sums", 2, (torch.int32,), shape=(rows, k // 16))
+        if x.rest is not None:
+            check_tensor(x.rest, "activation rests", 2, (torch.int8,), shape=(rows, k))
+        _require(len(parts) > 0, "a product needs at least one weight")
+        table = (BlocksWeightStruct * len(parts))()
+        for entry, part in zip(table, parts, strict=True):
+            fmt = block_format(part.qtype)
+            check_block_packed(fmt, part.packed, part.n, k)
+            if part.bias is not None:
+                check_tensor(part.bias, "bias", 1, (torch.float32,), shape=(part.n,))
+            entry.packed, entry.bias = part.packed.data_ptr(), _ptr(part.bias)
+            entry.n, entry.format = part.n, fmt.ggml_type
+        columns = sum(part.n for part in parts)
+        out = torch.empty(rows, columns, dtype=torch.float32)
+        if rows == 0:
+            return out
+        # The AVX2 product moves Q8_0's signs onto the row bytes, which -128 cannot take, and
+        # its saturation bounds assume |q| <= 127 (blocks_gemm.c).
+        _require(int(x.q.min()) > -128, "activation values must lie in -127..127")
+        if x.rest is not None:
+            _require(int(x.rest.min()) > -128, "activation rests must lie in -127..127")
+        status = self._call("kvserve_blocks_gemm")(
+            x.q.data_ptr(),
+            _ptr(x.rest),
+            x.scales.data_ptr(),
+            x.sums.data_ptr(),
+            rows,
+            k,
+            ctypes.addressof(table),
+            len(parts),
+            out.data_ptr(),
+            columns,
+            _threads(),
+        )
+        _require(status == 0, f"the block product refused its arguments (status {status})")
+        return out
+
     # -- the one-call layer drivers -------------------------------------------------------------
 
     def forward_int8(
@@ -958,6 +1133,60 @@ class CpuKernels:
             _threads(),
         )
         check_attention_status(status, heads, kv_heads, head_dim)
+
+
+def block_format(qtype: str) -> BlockFormat:
+    """The format named `qtype` ("Q4_K", ...); KernelInputError for one the kernels lack."""
+    fmt = FORMATS.get(qtype)
+    _require(fmt is not None, f"no block kernel for {qtype!r} (known: {', '.join(FORMATS)})")
+    return fmt
+
+
+def check_block_packed(fmt: BlockFormat, packed: torch.Tensor, n: int, k: int) -> None:
+    _require(n > 0, f"a packed weight needs output columns, not {n}")
+    _require(
+        k > 0 and k % fmt.values == 0,
+        f"the inner size {k} is not whole {fmt.name} blocks of {fmt.values}",
+    )
+    check_tensor(
+        packed, f"packed {fmt.name} weight", 3, (torch.uint8,), shape=packed_shape(fmt, n, k)
+    )
+
+
+def _raw_array(raw: np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(raw, torch.Tensor):
+        _require(raw.device.type == "cpu", f"raw blocks must be on the CPU, not {raw.device}")
+        raw = raw.numpy()
+    _require(isinstance(raw, np.ndarray), "raw blocks must be a numpy array or a tensor")
+    _require(raw.dtype == np.uint8 and raw.ndim == 2, "raw blocks must be uint8 [rows, row bytes]")
+    return np.ascontiguousarray(raw)
+
+
+def _activation_blocks(rows: int, k: int, fine: bool) -> ActivationBlocks:
+    _require(k > 0 and k % ACT_BLOCK == 0, f"a row of {k} values is not whole blocks of 32")
+    return ActivationBlocks(
+        torch.empty(rows, k, dtype=torch.int8),
+        torch.empty(rows, k // ACT_BLOCK, dtype=torch.float32),
+        torch.empty(rows, k // 16, dtype=torch.int32),
+        torch.empty(rows, k, dtype=torch.int8) if fine else None,
+    )
+
+
+def _block_pointers(out: ActivationBlocks | None) -> tuple:
+    if out is None:
+        return None, None, None, None
+    return out.q.data_ptr(), _ptr(out.rest), out.scales.data_ptr(), out.sums.data_ptr()
+
+
+class BlocksWeightStruct(ctypes.Structure):
+    """kvserve_blocks_weight in csrc/blocks.h."""
+
+    _fields_ = [
+        ("packed", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("format", ctypes.c_int64),
+    ]
 
 
 def _blocks_out(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -52,6 +52,7 @@ _PREPARING_SOURCES = (
     "gguf.py",
     "safetensors.py",
     "kernels.py",
+    "linear/blocks.py",
 )
 
 
@@ -119,7 +120,7 @@ def _preparation_digest() -> str:
     here = Path(__file__).parent
     for name in _PREPARING_SOURCES:
         digest.update((here / name).read_bytes())
-    for kernel in ("int8_gemm.c", "q4_gemm.c"):  # the packed layouts
+    for kernel in ("int8_gemm.c", "q4_gemm.c", "blocks_gemm.c"):  # the packed layouts
         digest.update((here / "csrc" / kernel).read_bytes())
     return digest.hexdigest()
 
