@@ -85,9 +85,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         "--quantization",
         choices=QUANTIZATIONS,
         default=e("--quantization", "auto"),
-        help="auto (default: int8 for an already quantized checkpoint where the CPU kernels "
-        "run, else none) | none: the model's dtype | int8: int8 linear layers on the CPU "
-        "(about 2x the throughput of bf16; see docs/serving.md)",
+        help="auto (default: a GGUF file with K-quant blocks keeps its blocks, another "
+        "quantized checkpoint runs int8 where the CPU kernels run, else none) | none: the "
+        "model's dtype | int8: int8 linear layers on the CPU | gguf: the GGUF file's blocks "
+        "kept in memory and multiplied as they are | q4: Q4_0/Q4_1 blocks on AVX512-VNNI "
+        "(see docs/serving.md)",
     )
     g.add_argument(
         "--weight-cache-dir",

@@ -107,3 +107,66 @@ class QuantizedHead:
         # The best candidates of each row, exactly, from the rows in the model's basis
         normed = F.rms_norm(in_model, (hidden,), self.norm, self.eps)
         return refine(logits, normed, self.lm_head, k)
+
+
+def dequantize_rows(qtype: str, raw, rows: torch.Tensor) -> torch.Tensor:
+    """The float32 rows `rows` ([n] int64) of a GGUF block-quantized weight `raw` (uint8
+    [out, row bytes], a view of the mapped file): only those rows are read and decoded."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    picked = np.asarray(raw)[rows.cpu().numpy()]
+    values = dequantize(picked, GGMLQuantizationType[qtype])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(len(rows), -1)
+
+
+class BlockEmbedding:
+    """Token embeddings left in the file's blocks (the mapped GGUF file): each step decodes the
+    rows of its tokens only, so no float copy of the table is ever in memory."""
+
+    def __init__(self, qtype: str, raw, hidden: int) -> None:
+        self.qtype = qtype
+        self.raw = raw  # uint8 [vocab, row bytes], a view of the mapped file
+        self.hidden = hidden
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """float32 [rows, hidden] for token_ids [rows] int64."""
+        if token_ids.numel() == 0:
+            return torch.empty(0, self.hidden, dtype=torch.float32)
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.raw.shape[0]:
+            raise ValueError("a token id outside the vocabulary")
+        return dequantize_rows(self.qtype, self.raw, token_ids)
+
+
+class BlockHead:
+    """rmsnorm, then the lm_head in the file's blocks (the block product, 8-bit activations)
+    picks each row's best candidates, recomputed exactly in float32 from the file's rows."""
+
+    def __init__(self, head, norm: torch.Tensor, qtype: str, raw, eps: float, kernels) -> None:
+        self.head = head  # kvserve.model.linear.blocks.BlockLinear [vocab, hidden]
+        self.norm = norm
+        self.qtype = qtype
+        self.raw = raw  # uint8 [vocab, row bytes]: the file's rows, for the exact recompute
+        self.eps = eps
+        self.kernels = kernels
+
+    @property
+    def num_bytes(self) -> int:
+        return self.head.num_bytes
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        vocab = self.head.out_features
+        if x.shape[0] == 0:
+            return x.new_empty(0, vocab, dtype=torch.float32)
+        normed = F.rms_norm(x, (x.shape[1],), self.norm, self.eps)
+        logits = self.head.apply(self.kernels.blocks_quantize(normed))
+        top = self.kernels.topk_rows(logits, REFINE_TOP_K)  # [rows, k]
+        unique, inverse = torch.unique(top, return_inverse=True)
+        weights = dequantize_rows(self.qtype, self.raw, unique)[inverse]  # [rows, k, hidden]
+        exact = torch.bmm(weights, normed.unsqueeze(-1)).squeeze(-1)
+        return logits.scatter_(1, top, exact)

@@ -97,6 +97,8 @@ def choose_cache_dtype(requested: str, model) -> tuple[torch.dtype, str]:
         return torch.int8, "auto: int8 linear layers, and the int8 cache kernels run here"
     if model.quantization == "int8":
         return model.dtype, f"auto: {model_dtype}, the int8 cache kernels need AVX512-VNNI"
+    if model.quantization == "gguf":
+        return model.dtype, f"auto: the model's dtype ({model_dtype}) beside the file's blocks"
     if model.quantization == "q4":
         # q4 is picked for answers as close to float32 as a 4-bit file allows: keep the cache
         return model.dtype, f"auto: the model's dtype ({model_dtype}) beside 4-bit weights"

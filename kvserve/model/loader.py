@@ -17,6 +17,7 @@ from kvserve.config import DeviceConfig
 from kvserve.model import device_thread
 from kvserve.model.config import ModelConfig
 from kvserve.model.kernels import CpuKernels, load_kernels
+from kvserve.model.linear.blocks import holds_k_quants
 from kvserve.model.llama import LlamaModel
 from kvserve.model.paths import model_name, resolve_model_path
 
@@ -91,6 +92,7 @@ def choose_quantization(
     dtype_asked: bool = False,
     q4_unsupported: str | None = None,
     kernels: CpuKernels | None = None,
+    gguf_unsupported: str | None = "not checked",
 ) -> tuple[str, str]:
     """Resolve `--quantization` to "none", "int8" or "q4", with the reason in a few words.
 
@@ -111,6 +113,8 @@ def choose_quantization(
     """
     if requested == "q4" and q4_unsupported is not None:
         raise ValueError(f"--quantization q4 cannot run this model here: {q4_unsupported}")
+    if requested == "gguf" and gguf_unsupported is not None:
+        raise ValueError(f"--quantization gguf cannot run this model here: {gguf_unsupported}")
     if requested != "auto":
         return requested, "asked for"
     if dtype_asked:
@@ -118,6 +122,11 @@ def choose_quantization(
     quantized = sorted(set(tensor_types) - FLOAT_TENSOR_TYPES)
     if not quantized:
         return "none", f"auto: the checkpoint is float ({'/'.join(tensor_types)}), kept as it is"
+    if holds_k_quants(quantized) and gguf_unsupported is None:
+        return "gguf", (
+            f"auto: the file's blocks kept ({'/'.join(quantized)}), products by "
+            f"{kernels.blocks_isa}"
+        )
     if (
         kernels is None
         or not kernels.supports(
@@ -155,6 +164,8 @@ def missing_kernels(
         return "int8 linear layers need AVX512-VNNI or AVX2"
     if quantization == "q4" and not kernels.q4:
         return "4-bit blocks need AVX512-VNNI"
+    if quantization == "gguf" and not kernels.blocks_isa:
+        return "GGUF block products need AVX2"
     return None
 
 
@@ -282,6 +293,11 @@ def _load_model(
         from kvserve.model.linear import q4
 
         q4_unsupported = q4.unsupported(checkpoint, config, kernels, device)
+    gguf_unsupported = "not a GGUF file"
+    if not path.is_dir():
+        from kvserve.model.linear import blocks
+
+        gguf_unsupported = blocks.unsupported(checkpoint, config, kernels, device)
     quantization, reason = choose_quantization(
         device_config.quantization,
         checkpoint.quantization,
@@ -291,6 +307,7 @@ def _load_model(
         dtype_asked=device_config.dtype != "auto",
         q4_unsupported=q4_unsupported,
         kernels=kernels,
+        gguf_unsupported=gguf_unsupported,
     )
 
     def prepare() -> LlamaModel:
@@ -301,6 +318,10 @@ def _load_model(
             disable=not sys.stderr.isatty(),
             leave=False,
         ) as bar:
+            if quantization == "gguf":
+                return LlamaModel.from_gguf(
+                    config, checkpoint, dtype=dtype, kernels=kernels, progress=bar.update
+                )
             if quantization == "q4":
                 return LlamaModel.from_q4(
                     config, checkpoint, dtype=dtype, kernels=kernels, progress=bar.update
@@ -316,12 +337,12 @@ def _load_model(
             )
 
     cache = None
-    if device_config.weight_cache and quantization in ("int8", "q4") and device.type == "cpu":
+    if device_config.weight_cache and quantization in ("int8", "q4", "gguf") and device.type == "cpu":
         from kvserve.model.weight_cache import WeightCache
 
         cache = WeightCache(device_config.weight_cache_dir)
     llama, cache_status = _prepared_model(
-        cache, path, config, quantization, dtype, device, prepare, kernels
+        cache, path, config, quantization, dtype, device, prepare, kernels, checkpoint
     )
     loaded = LoadedModel(
         model=llama,
@@ -350,6 +371,7 @@ def _prepared_model(
     device: torch.device,
     prepare,
     kernels: CpuKernels | None,
+    checkpoint=None,
 ) -> tuple[LlamaModel, str]:
     """The model from the prepared-weight cache when it has it, else `prepare()` (then
     cached). Returns the model and what the cache did (see LoadedModel.weight_cache)."""
@@ -369,7 +391,10 @@ def _prepared_model(
         found = cache.load(key)
         if found is not None:
             try:
-                return LlamaModel.from_prepared(config, *found, kernels=kernels), "hit"
+                model = LlamaModel.from_prepared(
+                    config, *found, kernels=kernels, checkpoint=checkpoint, dtype=dtype
+                )
+                return model, "hit"
             except (KeyError, ValueError, RuntimeError) as exc:
                 cache.discard(key, exc)
                 status = "rebuilt"

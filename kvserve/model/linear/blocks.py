@@ -320,3 +320,41 @@ def fused_from_checkpoint(
         for n, b in zip(names, biases, strict=True)
     ]
     return BlockLinear(tuple(parts), kernels, input)
+
+
+def unsupported(checkpoint, config, kernels: CpuKernels | None, device=None) -> str | None:
+    """Why the GGUF block path (`--quantization gguf`) cannot run this checkpoint here, or
+    None when it can: a GGUF file whose layers, embedding and head are in block formats the
+    kernels take, on a CPU where the block product was built."""
+    if device is not None and device.type != "cpu":
+        return "not on the CPU"
+    if not hasattr(checkpoint, "raw_rows"):
+        return "the checkpoint is not a GGUF file"
+    names = [
+        f"model.layers.{i}.{part}.weight"
+        for i in range(config.num_layers)
+        for part in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
+    names.append("model.embed_tokens.weight")
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    types = {checkpoint.tensor_type(name) for name in names}
+    if not types <= SUPPORTED:
+        other = sorted(str(t) for t in types - SUPPORTED)
+        return f"its weights include {'/'.join(other)}, which the block kernels do not take"
+    if kernels is None or not kernels.blocks_isa:
+        return "the block product is not built here (it needs a C compiler and AVX2)"
+    return None
+
+
+def holds_k_quants(tensor_types) -> bool:
+    """Whether a file's tensor types include the K-quants (Q4_K_M and its kin)."""
+    return bool(set(tensor_types) & K_QUANTS)
