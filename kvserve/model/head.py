@@ -28,8 +28,14 @@ def refine(
         top = kernels.topk_rows(logits, REFINE_TOP_K)  # [rows, k]
     else:
         top = logits.topk(REFINE_TOP_K, dim=-1).indices
-    exact = torch.bmm(lm_head[top].float(), x.unsqueeze(-1)).squeeze(-1)
-    return logits.scatter_(1, top, exact)
+    return logits.scatter_(1, top, exact_logits(lm_head[top].float(), x))
+
+
+def exact_logits(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Each row's candidates' logits in float32: weights [rows, k, hidden], x [rows, hidden] ->
+    [rows, k]. Elementwise products summed per candidate: a row's sums never depend on the rows
+    beside it (a batched matrix product's do, with the batch size)."""
+    return (weights * x.unsqueeze(1)).sum(-1)
 
 
 class FloatHead:
@@ -168,5 +174,4 @@ class BlockHead:
         top = self.kernels.topk_rows(logits, REFINE_TOP_K)  # [rows, k]
         unique, inverse = torch.unique(top, return_inverse=True)
         weights = dequantize_rows(self.qtype, self.raw, unique)[inverse]  # [rows, k, hidden]
-        exact = torch.bmm(weights, normed.unsqueeze(-1)).squeeze(-1)
-        return logits.scatter_(1, top, exact)
+        return logits.scatter_(1, top, exact_logits(weights, normed))

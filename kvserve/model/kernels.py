@@ -891,9 +891,7 @@ class CpuKernels:
         _require(status == 0, f"the packing kernel refused a {fmt.name} weight [{n}, {k}]")
         return packed
 
-    def blocks_unpack(
-        self, fmt: BlockFormat, packed: torch.Tensor, n: int, k: int
-    ) -> torch.Tensor:
+    def blocks_unpack(self, fmt: BlockFormat, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """A packed weight back as float32 [n, k], with ggml's arithmetic (equal to
         `gguf.quants.dequantize` of the file's blocks)."""
         check_block_packed(fmt, packed, n, k)
@@ -973,9 +971,7 @@ class CpuKernels:
         _require(self.blocks_isa is not None, "the block product needs the C kernels and AVX2")
         check_tensor(x.q, "activation values", 2, (torch.int8,))
         rows, k = x.q.shape
-        _require(
-            k > 0 and k % ACT_BLOCK == 0, f"the product's inner size {k} must be whole blocks"
-        )
+        _require(k > 0 and k % ACT_BLOCK == 0, f"the product's inner size {k} must be whole blocks")
         check_tensor(
             x.scales, "activation scales", 2, (torch.float32,), shape=(rows, k // ACT_BLOCK)
         )

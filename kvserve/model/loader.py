@@ -337,7 +337,11 @@ def _load_model(
             )
 
     cache = None
-    if device_config.weight_cache and quantization in ("int8", "q4", "gguf") and device.type == "cpu":
+    if (
+        device_config.weight_cache
+        and quantization in ("int8", "q4", "gguf")
+        and device.type == "cpu"
+    ):
         from kvserve.model.weight_cache import WeightCache
 
         cache = WeightCache(device_config.weight_cache_dir)
