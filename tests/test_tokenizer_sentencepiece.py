@@ -630,3 +630,17 @@ def test_added_tokens_that_strip_whitespace(trained, tmp_path):
     assert tok.encode_chat(chat) != Tokenizer.from_hf_dir(model.json_dir).with_chat_template(
         MISTRAL_LIKE
     ).encode_chat(chat)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_the_model_loaders_header_gives_the_same_tokenizer(trained, tokenizers, name):
+    """The model loader hands `from_gguf` its own header's plain values, not reader fields."""
+    from kvserve.model.gguf import read_header
+
+    fields = read_header(trained[name].gguf_path).fields
+    tok = Tokenizer.from_gguf(trained[name].gguf_path, fields=fields)
+    reference = tokenizers[name, "gguf"]
+    for s in STRINGS[:60]:
+        assert tok.encode(s) == reference.encode(s)
+    assert tok.special_token_ids == reference.special_token_ids
+    assert (tok.bos_token_id, tok.eos_token_id) == (reference.bos_token_id, reference.eos_token_id)
