@@ -845,10 +845,13 @@ class Tokenizer:
             self._token_bytes_skipping[token_id] = b""
 
     def with_chat_template(self, chat_template: str | None) -> Tokenizer:
-        """The same vocabulary with another chat template (None: no template)."""
+        """The same vocabulary with another chat template (None: no template); raises
+        ChatTemplateError when the template does not compile."""
         other = copy.copy(self)
         other._chat_template = chat_template
-        other._compiled_template = None
+        other._compiled_template = (
+            None if chat_template is None else _compile_template(chat_template)
+        )
         return other
 
     # --- construction ---------------------------------------------------------------------
