@@ -405,3 +405,34 @@ def test_mistral_template_round_trips_a_tool_result(vocabulary):
     assert len(mistral_call_id("call_1")) == 9
     # The messages the client sent are not changed in place.
     assert HISTORY[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+
+
+def test_the_chat_template_and_parser_flags(tmp_path):
+    import argparse
+
+    from kvserve.cli import engine_config_from_args
+    from kvserve.server.cli import add_arguments, server_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    template_file = tmp_path / "mistral.jinja"
+    template_file.write_text(MISTRAL_V0_3)
+    args = parser.parse_args(["--chat-template", str(template_file), "--tool-call-parser", "auto"])
+    assert engine_config_from_args(args).chat_template == MISTRAL_V0_3
+    assert server_config_from_args(args).tool_call_parser == "auto"
+    inline = parser.parse_args(["--chat-template", "{{ messages[0]['content'] }}"])
+    assert engine_config_from_args(inline).chat_template == "{{ messages[0]['content'] }}"
+    assert engine_config_from_args(parser.parse_args([])).chat_template is None
+    with pytest.raises(SystemExit, match="no such file"):
+        engine_config_from_args(parser.parse_args(["--chat-template", str(tmp_path / "nope")]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tool-call-parser", "made-up"])
+
+
+def test_a_template_that_does_not_compile_is_refused_at_start(vocabulary):
+    from kvserve.tokenizer import ChatTemplateError
+
+    with pytest.raises(ChatTemplateError, match="compile"):
+        vocabulary.with_chat_template("{% for %}")
+    assert vocabulary.with_chat_template(None).chat_template is None
+    assert vocabulary.chat_template is not None  # the original is unchanged
