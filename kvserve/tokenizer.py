@@ -2,6 +2,8 @@
 
 Built on the Hugging Face `tokenizers` library. A tokenizer comes either from a GGUF file's
 metadata (`Tokenizer.from_gguf`) or from a Hugging Face model directory (`Tokenizer.from_hf_dir`).
+Byte-level BPE vocabularies (Llama 3, Qwen, SmolLM) and SentencePiece ones (BPE or unigram with
+byte fallback: Llama 2, Mistral, Gemma, Phi-3, T5) are supported.
 
 Three rules hold throughout:
 
@@ -11,8 +13,10 @@ Three rules hold throughout:
   as transformers' tokenizer (and vLLM, llama.cpp's server) parse them.
 - `encode_chat` lets only the chat template produce control tokens; text that came from the
   messages is encoded as plain text, even where it spells a control token.
-- `IncrementalDetokenizer` emits only whole UTF-8 characters, holds back text that may still
-  become a stop string, and its output always adds up to what `decode` gives for the same ids.
+- `IncrementalDetokenizer` emits only whole UTF-8 characters (a character spelled by several
+  byte pieces comes out once its last byte arrives), holds back text that may still become a
+  stop string, and its output adds up to what `decode` gives for the same ids (standalone; a
+  generated sequence keeps the space of its first word, which `decode` drops).
 """
 
 from __future__ import annotations
@@ -1228,7 +1232,7 @@ class IncrementalDetokenizer:
     emitted). `flush` ends the sequence and returns whatever was held.
 
     With no stop strings, the `add` results plus `flush()` add up to `Tokenizer.decode` of the
-    same ids exactly. Each `add` costs time in proportion to the token and the longest stop
+    same ids exactly (for a detokenizer made with `standalone=True`). Each `add` costs time in proportion to the token and the longest stop
     string, never to the text so far.
     """
 
