@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 from kvserve.config import (
     BLOCK_SIZES,
@@ -171,6 +172,26 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         help="undelivered steps before a client is dropped as a slow consumer",
     )
     g.add_argument("--seed", type=int, default=e("--seed", 0, int))
+    g = parser.add_argument_group("chat")
+    g.add_argument(
+        "--chat-template",
+        default=e("--chat-template", None),
+        help="a Jinja chat template to use in place of the model's: a file, or the template "
+        "itself (as vLLM's flag); tool calls are then read in the syntax it teaches",
+    )
+
+
+def chat_template_text(value: str | None) -> str | None:
+    """`--chat-template`'s template: the file it names, or the value itself when it is no
+    file (a template has Jinja markup; a missing file is an error)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" not in value:
+        raise SystemExit(f"kvserve: --chat-template: no such file: {value}")
+    return value
 
 
 def resolve_model_argument(args: argparse.Namespace) -> str | None:
@@ -227,6 +248,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         stream=StreamConfig(buffer_steps=args.stream_buffer),
         seed=args.seed,
+        chat_template=chat_template_text(args.chat_template),
     )
 
 

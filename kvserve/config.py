@@ -154,6 +154,8 @@ class EngineConfig:
     queue: QueueConfig = QueueConfig()
     stream: StreamConfig = StreamConfig()
     seed: int = 0
+    # The Jinja chat template to use in place of the model's own (its text); None keeps it.
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -258,6 +258,8 @@ class Engine:
         self.config = config
         self.loaded = loaded or load_model(config.model, config.device)
         self.tokenizer = self.loaded.tokenizer
+        if config.chat_template is not None:
+            self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)
         self.model_config = self.loaded.config
         self.recorder = StepRecorder() if record_steps else None
         observers = [o for o in (observer, self.recorder) if o is not None]

@@ -64,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tool-call-parser",
         default=e("--tool-call-parser", None),
-        choices=sorted(TOOL_CALL_PARSERS),
-        help="how tool_choice 'auto' reads the model's calls (default: by chat-template family)",
+        choices=["auto", *sorted(TOOL_CALL_PARSERS)],
+        help="how the model's tool calls are read: auto (default) by the chat template's "
+        "family (Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS])",
     )
 
 

@@ -28,7 +28,6 @@ from typing import Any
 from kvserve.server.core import in_thread
 from kvserve.server.protocol import APIError
 from kvserve.server.tools import (
-    TOOL_CALL_PARSERS,
     ToolCall,
     ToolPlan,
     new_call_id,
@@ -180,8 +179,8 @@ class CallReader:
         self._name = plan.name if plan is not None else None
         self._id_prefix = id_prefix
         self._parser = (
-            TOOL_CALL_PARSERS[plan.parser](id_prefix)
-            if plan is not None and self._choice == "auto"
+            plan.new_parser(id_prefix)
+            if plan is not None and self._choice != "none" and plan.reads_with_parser
             else None
         )
         self._text: list[str] = []  # a named call's arguments, or the required array
@@ -196,8 +195,7 @@ class CallReader:
         """The pieces `text` completes; `final` on the answer's last delta."""
         if self._choice == "none":
             return [text] if text else []
-        if self._choice == "auto":
-            assert self._parser is not None
+        if self._parser is not None:  # auto, or a forced call in the family's own syntax
             items = self._parser.feed(text) if text else []
             if final:
                 items += self._parser.finish()

@@ -24,7 +24,6 @@ from kvserve.server.dialects.openai import (
 from kvserve.server.protocol import APIError
 from kvserve.server.structured import structured
 from kvserve.server.tools import (
-    TOOL_CALL_PARSERS,
     ToolCall,
     ToolPlan,
     parse_required,
@@ -109,7 +108,7 @@ class ToolChatRenderer(ChatRenderer):
     def __init__(self, *args: Any, plan: ToolPlan, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.plan = plan
-        self._parser = TOOL_CALL_PARSERS[plan.parser]() if plan.choice == "auto" else None
+        self._parser = plan.new_parser() if plan.reads_with_parser else None
         self._num_calls = 0
         self._named: ToolCall | None = None
         self._buffered: list[str] = []
@@ -124,7 +123,7 @@ class ToolChatRenderer(ChatRenderer):
         index: int = 0,
     ) -> list[str]:
         chunks: list[str] = []  # one answer: requests with tools have n = 1
-        choice = self.plan.choice
+        choice = "auto" if self.plan.reads_with_parser else self.plan.choice
         if choice == "auto":
             items = self._parser.feed(text) if text else []
             if finish_reason is not None:
@@ -197,10 +196,10 @@ class ToolChatRenderer(ChatRenderer):
     def response(self, finish_reason: str, usage: Usage) -> dict[str, Any]:
         body = super().response(finish_reason, usage)
         text = self.text
-        choice = self.plan.choice
+        choice = "auto" if self.plan.reads_with_parser else self.plan.choice
         content: str | None
         if choice == "auto":
-            content, calls = TOOL_CALL_PARSERS[self.plan.parser]().parse(text)
+            content, calls = self.plan.new_parser().parse(text)
         elif choice == "named":
             content, calls = None, [ToolCall(self.plan.name, text)]
         else:
