@@ -1,5 +1,5 @@
 """The one-call layer drivers: every layer of a model in one C call (csrc/forward_int8.c,
-csrc/forward_q4.c), a named fast path behind the model's one layer loop.
+csrc/forward_q4.c, csrc/forward_blocks.c), a named fast path behind the model's one layer loop.
 
 A driver runs the same kernels in the same order as the loop in kvserve/model/llama.py, so
 its results are the loop's (tests/model/test_drivers.py holds each to the loop); what it
@@ -17,6 +17,8 @@ import ctypes
 import torch
 
 from kvserve.model.kernels import (
+    BlocksLayerStruct,
+    BlocksProductStruct,
     CpuKernels,
     DriverStep,
     Int8LayerStruct,
@@ -24,8 +26,12 @@ from kvserve.model.kernels import (
     KernelInputError,
     Q4LayerStruct,
     Q4WeightStruct,
+    block_format,
+    blocks_parts_table,
+    check_block_packed,
     check_tensor,
 )
+from kvserve.model.linear.blocks import BlockLinear
 from kvserve.model.linear.int8 import Int8Linear
 from kvserve.model.linear.q4 import Q4Linear
 
@@ -182,6 +188,72 @@ class Q4Driver:
             kv_cache.scales,
             step,
             config=self.config,
+            scale=self.config.head_dim**-0.5,
+            dtype=dtype,
+        )
+
+
+class BlocksDriver:
+    """Every layer of a model whose products keep a GGUF file's blocks, in one call."""
+
+    name = "blocks"
+
+    def __init__(self, layers, config, kernels: CpuKernels) -> None:
+        self.config = config
+        self.kernels = kernels
+        self.fine = layers[0].qkv.input.fine
+        self._parts: list[ctypes.Array] = []  # the parts' tables, kept alive with the driver
+        self.table = self._table(layers, config)
+
+    @staticmethod
+    def unsupported(layers, kernels: CpuKernels) -> str | None:
+        if not kernels.has("blocks_driver") or not kernels.blocks_isa:
+            return f"the block driver is not built ({kernels.failures.get('blocks_driver')})"
+        fine = {layer.qkv.input.fine for layer in layers if isinstance(layer.qkv, BlockLinear)}
+        for layer in layers:
+            for name in _PRODUCTS:
+                method = getattr(layer, name)
+                if not isinstance(method, BlockLinear) or method.input.fine not in fine:
+                    return f"{name} is not a block product"
+            if layer.attn_norm is None or layer.mlp_norm is None:
+                return "its layers lack their norms"
+        if len(fine) != 1:
+            return "its products' activations differ"
+        return None
+
+    def _table(self, layers, config) -> ctypes.Array:
+        shapes = _shapes(config)
+        hidden = config.hidden_size
+        table = (BlocksLayerStruct * len(layers))()
+        for entry, layer in zip(table, layers, strict=True):
+            for name in _PRODUCTS:
+                method: BlockLinear = getattr(layer, name)
+                n, k = shapes[name]
+                if method.out_features != n or method.in_features != k:
+                    raise KernelInputError(f"{name} is not a [{n}, {k}] product")
+                parts = [p.part for p in method.parts]
+                for part in parts:
+                    check_block_packed(block_format(part.qtype), part.packed, part.n, k)
+                array = blocks_parts_table(parts)
+                self._parts.append(array)
+                setattr(entry, name, BlocksProductStruct(ctypes.addressof(array), len(parts)))
+            for norm in ("attn_norm", "mlp_norm"):
+                check_tensor(getattr(layer, norm), norm, 1, (torch.float32,), shape=(hidden,))
+                setattr(entry, norm, getattr(layer, norm).data_ptr())
+            _check_qk_norm(layer, config)
+            entry.qk_norm = _ptr(layer.qk_norm)
+        return table
+
+    def run(self, x: torch.Tensor, step: DriverStep, kv_cache, dtype: torch.dtype) -> None:
+        """Every layer on x ([rows, hidden] float32, the residual, in place)."""
+        self.kernels.forward_blocks(
+            x,
+            self.table,
+            kv_cache.kv,
+            kv_cache.scales,
+            step,
+            config=self.config,
+            fine=self.fine,
             scale=self.config.head_dim**-0.5,
             dtype=dtype,
         )

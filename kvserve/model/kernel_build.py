@@ -328,6 +328,23 @@ FAMILIES: tuple[Family, ...] = (
         ),
         requires=("layer_ops", "attention", "kv_int8", "q4"),
     ),
+    Family(
+        "blocks_driver",
+        ("forward_blocks.c",),
+        "drivers.h",
+        (
+            _S(
+                "kvserve_forward_blocks",
+                "i32",
+                "x:p rows:i64 layers:p num_layers:i64 kv_layers:p kv_scale_layers:p heads:i64 "
+                "kv_heads:i64 hd:i64 hidden:i64 intermediate:i64 fine:i32 eps:f32 scale:f32 "
+                "bf16:i32 "
+                + _DRIVER_STEP
+                + " q:p rest:p act_scales:p sums:p product:p qkv:p attn:p nt:i32",
+            ),
+        ),
+        requires=("layer_ops", "attention", "kv_int8", "blocks"),
+    ),
 )
 
 

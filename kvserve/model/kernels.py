@@ -1074,6 +1074,69 @@ class CpuKernels:
         )
         check_attention_status(status, heads, kv_heads, head_dim)
 
+    def forward_blocks(
+        self,
+        x: torch.Tensor,
+        table: ctypes.Array,
+        kv: torch.Tensor,
+        kv_scales: torch.Tensor | None,
+        step: DriverStep,
+        *,
+        config,
+        fine: bool,
+        scale: float,
+        dtype: torch.dtype,
+    ) -> None:
+        """Every layer of the GGUF block path on x ([rows, hidden] float32, in place): see
+        csrc/forward_blocks.c. `table`: BlocksLayerStruct per layer (kvserve.model.drivers);
+        kv, kv_scales as `forward_int8`."""
+        check_tensor(x, "x", 2, (torch.float32,))
+        rows, hidden = x.shape
+        _require(hidden == config.hidden_size, "x does not have the model's hidden size")
+        heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size, intermediate = config.q_size, config.kv_size, config.intermediate_size
+        num_layers = len(table)
+        _require(num_layers > 0, "no layers to run")
+        pointers = step.check(rows, num_layers, kv, kv_scales, dtype, kv_heads, head_dim)
+        if pointers is None:
+            return
+        kv_pointers, scale_pointers = pointers
+        q, rest, act_scales, sums = _blocks_workspace(rows, max(hidden, q_size, intermediate), fine)
+        product = torch.empty(
+            rows * max(q_size + 2 * kv_size, 2 * intermediate, hidden), dtype=torch.float32
+        )
+        qkv = torch.empty(rows, q_size + 2 * kv_size, dtype=dtype)
+        attn = torch.empty(rows, q_size, dtype=dtype)
+        status = self._call("kvserve_forward_blocks")(
+            x.data_ptr(),
+            rows,
+            ctypes.addressof(table),
+            num_layers,
+            kv_pointers,
+            scale_pointers,
+            heads,
+            kv_heads,
+            head_dim,
+            hidden,
+            intermediate,
+            int(fine),
+            config.rms_norm_eps,
+            scale,
+            int(dtype == torch.bfloat16),
+            *step.arguments(kv),
+            q.data_ptr(),
+            _ptr(rest),
+            act_scales.data_ptr(),
+            sums.data_ptr(),
+            product.data_ptr(),
+            qkv.data_ptr(),
+            attn.data_ptr(),
+            _threads(),
+        )
+        if status <= -10:
+            raise KernelInputError(f"the block product refused a layer (status {status + 10})")
+        check_attention_status(status, heads, kv_heads, head_dim)
+
     def forward_q4(
         self,
         x: torch.Tensor,
@@ -1183,6 +1246,31 @@ class BlocksWeightStruct(ctypes.Structure):
         ("n", ctypes.c_int64),
         ("format", ctypes.c_int64),
     ]
+
+
+class BlocksProductStruct(ctypes.Structure):
+    """kvserve_blocks_product in csrc/drivers.h."""
+
+    _fields_ = [("parts", ctypes.c_void_p), ("num_parts", ctypes.c_int64)]
+
+
+class BlocksLayerStruct(ctypes.Structure):
+    """kvserve_blocks_layer in csrc/drivers.h."""
+
+    _fields_ = [(name, BlocksProductStruct) for name in ("qkv", "o", "gate_up", "down")] + [
+        ("attn_norm", ctypes.c_void_p),
+        ("mlp_norm", ctypes.c_void_p),
+        ("qk_norm", ctypes.c_void_p),
+    ]
+
+
+def _blocks_workspace(rows: int, widest: int, fine: bool):
+    return (
+        torch.empty(rows * widest, dtype=torch.int8),
+        torch.empty(rows * widest, dtype=torch.int8) if fine else None,
+        torch.empty(rows * widest // ACT_BLOCK, dtype=torch.float32),
+        torch.empty(rows * widest // 16, dtype=torch.int32),
+    )
 
 
 def _blocks_out(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1324,6 +1412,19 @@ class Q4LayerStruct(ctypes.Structure):
         ("mlp_norm", ctypes.c_void_p),
         ("qk_norm", ctypes.c_void_p),
     ]
+
+
+def blocks_parts_table(parts) -> ctypes.Array:
+    """The C description of a product's packed parts (kvserve.model.block_formats.Part),
+    checked; it points into their tensors, which must outlive it."""
+    table = (BlocksWeightStruct * len(parts))()
+    for entry, part in zip(table, parts, strict=True):
+        fmt = block_format(part.qtype)
+        if part.bias is not None:
+            check_tensor(part.bias, "bias", 1, (torch.float32,), shape=(part.n,))
+        entry.packed, entry.bias = part.packed.data_ptr(), _ptr(part.bias)
+        entry.n, entry.format = part.n, fmt.ggml_type
+    return table
 
 
 def _env_disabled() -> bool:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from kvserve.model.attention import RopeTables, select_attention
 from kvserve.model.attention.cpu import CpuAttentionMetadata
 from kvserve.model.config import ModelConfig, require_tensor
-from kvserve.model.drivers import Int8Driver, Q4Driver
+from kvserve.model.drivers import BlocksDriver, Int8Driver, Q4Driver
 from kvserve.model.head import BlockEmbedding, BlockHead, FloatHead, QuantizedHead
 from kvserve.model.kernels import CpuKernels, DriverStep
 from kvserve.model.kv_cache import KVCache
@@ -121,7 +121,7 @@ class LlamaModel:
             config.inverse_frequencies(), config.max_position_embeddings, self.device
         )
         self.attention = select_attention(config, self.dtype, self.device, self.kernels, rope)
-        self.driver: Int8Driver | Q4Driver | None = None
+        self.driver: Int8Driver | Q4Driver | BlocksDriver | None = None
         self.driver_reason = self._choose_driver()
 
     def _choose_driver(self) -> str:
@@ -129,11 +129,9 @@ class LlamaModel:
         none (for the load log)."""
         if self.quantization == "none":
             return "float layers run the layer loop"
-        if self.quantization == "gguf":
-            return "the layer loop"
         if self.kernels is None or self.attention.name != "cpu-paged":
             return "the layer loop (no CPU kernels)"
-        driver_class = Int8Driver if self.quantization == "int8" else Q4Driver
+        driver_class = {"int8": Int8Driver, "q4": Q4Driver, "gguf": BlocksDriver}[self.quantization]
         reason = driver_class.unsupported(self.layers, self.kernels)
         if reason is not None:
             log.info("%s layers run the layer loop: %s", self.quantization, reason)
@@ -142,7 +140,7 @@ class LlamaModel:
             block = self.layers[0].gate_up.input.down_block if self.layers else 1
             self.driver = Int8Driver(self.layers, self.config, self.kernels, block)
         else:
-            self.driver = Q4Driver(self.layers, self.config, self.kernels)
+            self.driver = driver_class(self.layers, self.config, self.kernels)
         return f"the {self.driver.name} driver"
 
     def with_driver(self, enabled: bool) -> LlamaModel:

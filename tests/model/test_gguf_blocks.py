@@ -134,3 +134,22 @@ def test_gguf_asked_for_where_it_cannot_run_is_refused_with_the_reason(tmp_path,
         choose_quantization(
             "gguf", ["F32"], checkpoint.config, CPU, torch.float32, gguf_unsupported=why
         )
+
+
+def test_layers_in_one_c_call_match_the_python_loop(qwen05_gguf):
+    """The block driver (csrc/forward_blocks.c) runs the layer loop's kernels in its order:
+    identical logits and cache, for a prefill and a decode row."""
+    model = qwen05_gguf.model
+    assert model.driver is not None and model.driver.name == "blocks"
+    ids = qwen05_gguf.tokenizer.encode(quality_text())[:70]
+    results = []
+    for twin in (model, model.with_driver(False)):
+        assert (twin.driver is None) == (twin is not model)
+        cache = KVCache(model.config, 4, 32, model.dtype, CPU)
+        meta = twin.attention.build_metadata([Chunk(0, 69, [2, 0, 3], True)], 32)
+        prefill = twin.forward(torch.tensor(ids[:69]), meta, cache)
+        meta = twin.attention.build_metadata([Chunk(69, 1, [2, 0, 3], True)], 32)
+        decode = twin.forward(torch.tensor(ids[69:70]), meta, cache)
+        results.append((prefill, decode, cache.kv.clone()))
+    (p1, d1, kv1), (p2, d2, kv2) = results
+    assert torch.equal(p1, p2) and torch.equal(d1, d2) and torch.equal(kv1, kv2)

@@ -1,5 +1,6 @@
 /*
- * The "drivers" kernel family (forward_int8.c, forward_q4.c): every decoder layer in one call,
+ * The one-call layer drivers (forward_int8.c, forward_q4.c, forward_blocks.c, one kernel family
+ * each): every decoder layer in one call,
  * the same kernels the model's layer loop (kvserve/model/llama.py) calls one by one, without a
  * dozen calls and allocations per layer from Python (at decode row counts those cost as much as
  * the work). Each returns 0, or the attention kernel's nonzero status.
@@ -10,6 +11,7 @@
 #include <stdint.h>
 
 #include "attention.h"
+#include "blocks.h"
 #include "kv_int8.h"
 #include "layer_ops.h"
 
@@ -41,6 +43,18 @@ typedef struct {
     const float *qk_norm;              /* [heads + kv_heads][head_dim], or NULL */
 } kvserve_q4_layer;
 
+/* One product of the block path: its parts (csrc/blocks.h), multiplied in one call. */
+typedef struct {
+    const kvserve_blocks_weight *parts;
+    int64_t num_parts;
+} kvserve_blocks_product;
+
+typedef struct {
+    kvserve_blocks_product qkv, o, gate_up, down;
+    const float *attn_norm, *mlp_norm; /* [hidden] */
+    const float *qk_norm;              /* [heads + kv_heads][head_dim], or NULL */
+} kvserve_blocks_layer;
+
 int kvserve_forward_int8(float *x, int64_t rows, const kvserve_int8_layer *layers,
                          int64_t num_layers, void *const *kv_layers,
                          float *const *kv_scale_layers, int64_t heads, int64_t kv_heads,
@@ -58,6 +72,16 @@ int kvserve_forward_q4(float *x, int64_t rows, const kvserve_q4_layer *layers, i
                        const int64_t *row_tables, const int64_t *lengths, int64_t num_blocks,
                        int64_t block_size, int8_t *q8, float *e, float *s, float *product,
                        void *qkv, void *attn, int nt);
+int kvserve_forward_blocks(float *x, int64_t rows, const kvserve_blocks_layer *layers,
+                           int64_t num_layers, void *const *kv_layers,
+                           float *const *kv_scale_layers, int64_t heads, int64_t kv_heads,
+                           int64_t hd, int64_t hidden, int64_t intermediate, int fine, float eps,
+                           float scale, int bf16, const int64_t *positions, const float *cos,
+                           const float *sin, const int64_t *slots, const int64_t *tables,
+                           int64_t table_width, const int64_t *row_tables,
+                           const int64_t *lengths, int64_t num_blocks, int64_t block_size,
+                           int8_t *q, int8_t *rest, float *act_scales, int32_t *sums,
+                           float *product, void *qkv, void *attn, int nt);
 
 /* RoPE on q and k of `qkv` ([rows][q + 2 kv], in place), k and v written into the cache (in the
  * model dtype, or int8 with its scales when kv_scales is given), then attention of each row's
