@@ -52,6 +52,11 @@ _PREPARING_SOURCES = (
     "gguf.py",
     "safetensors.py",
     "kernels.py",
+    # tensor names, fused projections and norm offsets of each family
+    "families/__init__.py",
+    "families/llama.py",
+    "families/gemma.py",
+    "families/phi3.py",
 )
 
 
