@@ -1,5 +1,5 @@
 """Every family against transformers: Llama 3 (llama3 RoPE scaling), Mistral (sliding window),
-Gemma 2, Gemma 3, Phi-3 (longrope) and Qwen3 (YaRN).
+Gemma 2, Gemma 3, Phi-3 (longrope), Qwen2 (biases) and Qwen3 (YaRN).
 
 Each family's checkpoint is tiny and random, made here from the family's transformers config,
 saved as a Hugging Face directory and written as a GGUF file of the same weights the way
@@ -119,6 +119,7 @@ CASES = {
         min_prompt=PHI3_ORIGINAL + 1,
         features=("sliding",),
     ),
+    "qwen2": Case("Qwen2Config", "qwen2", {}),  # q/k/v biases
     "qwen3": Case(
         "Qwen3Config",
         "qwen3",
@@ -148,9 +149,9 @@ def make_reference(case: Case, vocab: int):
     model = transformers.AutoModelForCausalLM.from_config(
         hf_config(case, vocab), dtype=torch.float32
     )
-    with torch.no_grad():  # random init leaves norms at their identity: perturb them
+    with torch.no_grad():  # random init leaves norms at their identity, biases at 0
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     return model.eval()
 
