@@ -188,21 +188,26 @@ def _llama3_rope_factors(cfg) -> list[float]:
     return factors
 
 
-def write_gguf(path: Path, case: Case, reference, tokenizer_reader, qtype=None) -> Path:
+def write_gguf(path: Path, case: Case, reference, tokenizer_fields, qtype=None) -> Path:
     """The reference's weights as convert_hf_to_gguf.py writes them for the case's
-    architecture (float32, or `qtype` blocks for the layers' linear weights)."""
+    architecture (float32, or `qtype` blocks for the layers' linear weights), with the
+    default model's vocabulary (`tokenizer_fields`: its tokenizer.* metadata)."""
     import gguf
-    from gguf import GGMLQuantizationType, GGUFValueType
+    from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
     cfg = reference.config
     arch = case.gguf_arch
     writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in tokenizer_reader.fields.items():
-        if key.startswith("tokenizer."):
-            vtype = value.types[0]
-            sub = value.types[-1] if vtype == GGUFValueType.ARRAY else None
-            writer.add_key_value(key, value.contents(), vtype, sub)
+    for key, value in tokenizer_fields.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -294,24 +299,26 @@ class Built:
 
 
 @pytest.fixture(scope="module")
-def tokenizer_reader(model_path):
-    from gguf import GGUFReader
+def tokenizer_fields(model_path):
+    """The default model's tokenizer.* metadata (a GPT-2 BPE vocabulary of 49,152 tokens)."""
+    from kvserve.model.gguf import read_header
 
-    return GGUFReader(model_path)
+    fields = read_header(model_path).fields
+    return {k: v for k, v in fields.items() if k.startswith("tokenizer.")}
 
 
 FP32 = DeviceConfig(device="cpu", dtype="float32", quantization="none")
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def family(request, tmp_path_factory, hf_tokenizer, tokenizer_reader):
+def family(request, tmp_path_factory, hf_tokenizer, tokenizer_fields):
     case = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
     vocab = len(hf_tokenizer)
     reference = make_reference(case, vocab)
     reference.save_pretrained(root / "hf", safe_serialization=True)
     hf_tokenizer.save_pretrained(root / "hf")
-    write_gguf(root / f"{request.param}.gguf", case, reference, tokenizer_reader)
+    write_gguf(root / f"{request.param}.gguf", case, reference, tokenizer_fields)
     generator = torch.Generator().manual_seed(7)
     prompts = [
         torch.randint(3, vocab, (max(n, case.min_prompt),), generator=generator).tolist()
@@ -443,11 +450,11 @@ def test_int8_layers_follow_float32_and_come_back_from_the_weight_cache(family, 
         assert first.model.driver is not None
 
 
-def test_4bit_blocks_follow_float32(family, kernels, tokenizer_reader):
+def test_4bit_blocks_follow_float32(family, kernels, tokenizer_fields):
     if not kernels.q4:
         pytest.skip("4-bit blocks need AVX512-VNNI")
     path = write_gguf(
-        family.root / "q4_0.gguf", family.case, family.reference, tokenizer_reader, "Q4_0"
+        family.root / "q4_0.gguf", family.case, family.reference, tokenizer_fields, "Q4_0"
     )
     loaded = load_model(str(path), DeviceConfig(device="cpu", dtype="float32", quantization="q4"))
     assert loaded.model.quantization == "q4"
@@ -490,3 +497,18 @@ def test_scores_scale_by_query_pre_attn_scalar(tmp_path, kernels):
     with torch.no_grad():
         theirs = reference(torch.tensor([ids])).logits[0]
     assert (all_logits(model, ids) - theirs).abs().max().item() <= 1e-3
+
+
+def test_the_engine_serves_prompts_beyond_the_window(family):
+    """Through the engine (continuous batching, prefill in chunks of 16 beside another
+    sequence's decode rows), two prompts longer than the window get transformers' greedy
+    tokens: the window no longer caps the context."""
+    from kvserve import LLM, SamplingParams
+    from tests.engine.helpers import make_config
+
+    prompts = family.prompts[2:]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(config=make_config(chunk=16, max_model_len=None), loaded=family.gguf) as llm:
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+    for ids, output in zip(prompts, outputs, strict=True):
+        assert list(output.outputs[0].token_ids) == reference_greedy(family.reference, ids, 8)
