@@ -384,10 +384,8 @@ class LlamaModel:
             progress(1)
         layers = []
 
-        def float_norm(name: str | None) -> torch.Tensor | None:
-            if name is None or not config.sandwich_norms:
-                return None
-            return need(name).float().contiguous()
+        def post_norm(name: str) -> torch.Tensor | None:
+            return need(name).float().contiguous() if config.sandwich_norms else None
 
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -409,8 +407,8 @@ class LlamaModel:
                     attn_norm=need(p + "input_layernorm.weight").float().contiguous(),
                     mlp_norm=need(p + f"{family.mlp_norm}.weight").float().contiguous(),
                     qk_norm=qk_norm,
-                    post_attn_norm=float_norm(p + f"{family.post_attention_norm}.weight"),
-                    post_mlp_norm=float_norm(p + f"{family.post_mlp_norm}.weight"),
+                    post_attn_norm=post_norm(p + f"{family.post_attention_norm}.weight"),
+                    post_mlp_norm=post_norm(p + f"{family.post_mlp_norm}.weight"),
                 )
             )
             if progress:
