@@ -52,6 +52,22 @@ def _shapes(config) -> dict[str, tuple[int, int]]:
     }
 
 
+def family_features(config) -> str | None:
+    """What of this model the C drivers do not implement (they run Llama's layer: SiLU gate,
+    pre-norms only, full attention with one RoPE, no soft cap), None when they run it."""
+    if config.windowed:
+        return "its sliding-window layers"
+    if config.attn_logit_softcapping is not None:
+        return "its attention soft-capping"
+    if config.local_rope_theta is not None:
+        return "its per-layer RoPE"
+    if config.hidden_activation != "silu":
+        return f"its {config.hidden_activation} activation"
+    if config.sandwich_norms:
+        return "its post-attention and post-MLP norms"
+    return None
+
+
 def _check_qk_norm(layer, config) -> None:
     if layer.qk_norm is not None:
         heads = config.num_heads + config.num_kv_heads
@@ -72,10 +88,13 @@ class Int8Driver:
         self.table = self._table(layers, config)
 
     @staticmethod
-    def unsupported(layers, kernels: CpuKernels) -> str | None:
-        """Why these layers cannot run on this driver, or None."""
+    def unsupported(layers, kernels: CpuKernels, config=None) -> str | None:
+        """Why these layers (of a model of `config`) cannot run on this driver, or None."""
         if not kernels.has("int8_driver"):
             return f"the int8 driver is not built ({kernels.failures.get('int8_driver')})"
+        feature = None if config is None else family_features(config)
+        if feature is not None:
+            return f"the int8 driver does not implement {feature}"
         for layer in layers:
             for name in _PRODUCTS:
                 method = getattr(layer, name)
@@ -125,7 +144,7 @@ class Int8Driver:
             intermediate=cfg.intermediate_size,
             down_block=self.down_block,
             eps=cfg.rms_norm_eps,
-            scale=cfg.head_dim**-0.5,
+            scale=cfg.attention_scale,
             dtype=dtype,
         )
 
@@ -141,9 +160,13 @@ class Q4Driver:
         self.table = self._table(layers, config)
 
     @staticmethod
-    def unsupported(layers, kernels: CpuKernels) -> str | None:
+    def unsupported(layers, kernels: CpuKernels, config=None) -> str | None:
+        """Why these layers (of a model of `config`) cannot run on this driver, or None."""
         if not kernels.has("q4_driver") or not kernels.q4:
             return "the 4-bit driver needs AVX512-VNNI"
+        feature = None if config is None else family_features(config)
+        if feature is not None:
+            return f"the 4-bit driver does not implement {feature}"
         for layer in layers:
             for name in _PRODUCTS:
                 if not isinstance(getattr(layer, name), Q4Linear):
@@ -188,7 +211,7 @@ class Q4Driver:
             kv_cache.scales,
             step,
             config=self.config,
-            scale=self.config.head_dim**-0.5,
+            scale=self.config.attention_scale,
             dtype=dtype,
         )
 
@@ -206,9 +229,13 @@ class BlocksDriver:
         self.table = self._table(layers, config)
 
     @staticmethod
-    def unsupported(layers, kernels: CpuKernels) -> str | None:
+    def unsupported(layers, kernels: CpuKernels, config=None) -> str | None:
+        """Why these layers (of a model of `config`) cannot run on this driver, or None."""
         if not kernels.has("blocks_driver") or not kernels.blocks_isa:
             return f"the block driver is not built ({kernels.failures.get('blocks_driver')})"
+        feature = None if config is None else family_features(config)
+        if feature is not None:
+            return f"the block driver does not implement {feature}"
         fine = {layer.qkv.input.fine for layer in layers if isinstance(layer.qkv, BlockLinear)}
         for layer in layers:
             for name in _PRODUCTS:

@@ -19,6 +19,14 @@ from kvserve.model.linear.int8 import Int8Linear
 REFINE_TOP_K = 16
 
 
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """tanh(logits / cap) * cap in place (Gemma 2's final soft cap; None: as they are). It is
+    monotonic, so the refined candidates stay each row's best."""
+    if cap is None:
+        return logits
+    return logits.div_(cap).tanh_().mul_(cap)
+
+
 def refine(
     logits: torch.Tensor, x: torch.Tensor, lm_head: torch.Tensor, kernels: CpuKernels | None
 ) -> torch.Tensor:
@@ -39,7 +47,7 @@ def exact_logits(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class FloatHead:
-    """rmsnorm then the float lm_head (its bf16 product refined)."""
+    """rmsnorm then the float lm_head (its bf16 product refined), then the soft cap if any."""
 
     def __init__(
         self,
@@ -47,10 +55,12 @@ class FloatHead:
         lm_head: torch.Tensor,
         eps: float,
         kernels: CpuKernels | None,
+        softcap: float | None = None,
     ) -> None:
         self.norm = norm  # [hidden] float32
         self.lm_head = lm_head  # [vocab, hidden], model dtype
         self.eps = eps
+        self.softcap = softcap
         self.kernels = kernels if kernels is not None and kernels.families else None
         self.product = FloatLinear(lm_head, kernels=kernels)
 
@@ -65,9 +75,9 @@ class FloatHead:
             return x.new_empty(0, vocab, dtype=torch.float32)
         x = F.rms_norm(x, (hidden,), self.norm, self.eps)
         if self.lm_head.dtype == torch.float32:
-            return self.product.apply(x)
+            return soft_cap(self.product.apply(x), self.softcap)
         logits = self.product.apply(x.to(self.lm_head.dtype)).float()
-        return refine(logits, x, self.lm_head, self.kernels)
+        return soft_cap(refine(logits, x, self.lm_head, self.kernels), self.softcap)
 
 
 class QuantizedHead:
@@ -86,8 +96,10 @@ class QuantizedHead:
         *,
         to_head: torch.Tensor | None = None,
         to_model: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> None:
         self.head = head
+        self.softcap = softcap
         self.norm = norm
         self.lm_head = lm_head
         self.eps = eps
@@ -112,7 +124,7 @@ class QuantizedHead:
         logits = k.dequantize(self.head.matmul(q), s, self.head.scale, None, torch.float32)
         # The best candidates of each row, exactly, from the rows in the model's basis
         normed = F.rms_norm(in_model, (hidden,), self.norm, self.eps)
-        return refine(logits, normed, self.lm_head, k)
+        return soft_cap(refine(logits, normed, self.lm_head, k), self.softcap)
 
 
 def dequantize_rows(qtype: str, raw, rows: torch.Tensor) -> torch.Tensor:
@@ -153,7 +165,17 @@ class BlockHead:
     """rmsnorm, then the lm_head in the file's blocks (the block product, 8-bit activations)
     picks each row's best candidates, recomputed exactly in float32 from the file's rows."""
 
-    def __init__(self, head, norm: torch.Tensor, qtype: str, raw, eps: float, kernels) -> None:
+    def __init__(
+        self,
+        head,
+        norm: torch.Tensor,
+        qtype: str,
+        raw,
+        eps: float,
+        kernels,
+        softcap: float | None = None,
+    ) -> None:
+        self.softcap = softcap
         self.head = head  # kvserve.model.linear.blocks.BlockLinear [vocab, hidden]
         self.norm = norm
         self.qtype = qtype
@@ -174,4 +196,4 @@ class BlockHead:
         top = self.kernels.topk_rows(logits, REFINE_TOP_K)  # [rows, k]
         unique, inverse = torch.unique(top, return_inverse=True)
         weights = dequantize_rows(self.qtype, self.raw, unique)[inverse]  # [rows, k, hidden]
-        return logits.scatter_(1, top, exact_logits(weights, normed))
+        return soft_cap(logits.scatter_(1, top, exact_logits(weights, normed)), self.softcap)

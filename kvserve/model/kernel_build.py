@@ -114,7 +114,14 @@ _DECODE_TAIL = (
     "scale:f32 num_threads:i32"
 )
 _DECODE = "q:p q_row_stride:i64 kv:p " + _DECODE_TAIL
+_ATTENTION = "q:p q_row_stride:i64 kv:p " + _DECODE_TAIL.replace(
+    "scale:f32", "scale:f32 window:i64 softcap:f32"
+)
 _DECODE_Q8 = "q:p q_row_stride:i64 kv:p scales:p " + _DECODE_TAIL
+_GATED_Q8 = (
+    "acc:p row_scales:p col_scales:p q:p scales:p rows:i64 width:i64 block:i64 num_threads:i32"
+)
+_GATED_QB = "gate_up:p q:p scales:p sums:p rows:i64 width:i64 num_threads:i32"
 _QUANTIZE_ROWS = "x:p rows:i64 width:i64 row_stride:i64 q:p scales:p num_threads:i32"
 _DEQUANTIZE = "acc:p row_scales:p col_scales:p bias:p out:p rows:i64 cols:i64 num_threads:i32"
 _QUANTIZE_BLOCKS = "x:p rows:i64 width:i64 row_stride:i64 q:p scales:p sums:p num_threads:i32"
@@ -135,6 +142,8 @@ FAMILIES: tuple[Family, ...] = (
             _S("kvserve_add_rmsnorm_bf16", None, _ADD_RMSNORM),
             _S("kvserve_silu_mul_f32", None, _SILU_MUL),
             _S("kvserve_silu_mul_bf16", None, _SILU_MUL),
+            _S("kvserve_gelu_tanh_mul_f32", None, _SILU_MUL),
+            _S("kvserve_gelu_tanh_mul_bf16", None, _SILU_MUL),
             _S("kvserve_rope_store_f32", None, _ROPE),
             _S("kvserve_rope_store_bf16", None, _ROPE),
             _S("kvserve_qk_norm_f32", None, _QK_NORM),
@@ -148,6 +157,8 @@ FAMILIES: tuple[Family, ...] = (
         (
             _S("kvserve_paged_decode_f32", "i32", _DECODE),
             _S("kvserve_paged_decode_bf16", "i32", _DECODE),
+            _S("kvserve_paged_attention_f32", "i32", _ATTENTION),
+            _S("kvserve_paged_attention_bf16", "i32", _ATTENTION),
         ),
     ),
     Family(
@@ -176,11 +187,13 @@ FAMILIES: tuple[Family, ...] = (
                 "x:p acc:p row_scales:p col_scales:p q:p scales:p rows:i64 hidden:i64 eps:f32 "
                 "num_threads:i32",
             ),
+            _S("kvserve_silu_mul_q8", None, _GATED_Q8),
+            _S("kvserve_gelu_tanh_mul_q8", None, _GATED_Q8),
             _S(
-                "kvserve_silu_mul_q8",
+                "kvserve_add_post_norm_q8",
                 None,
-                "acc:p row_scales:p col_scales:p q:p scales:p rows:i64 width:i64 block:i64 "
-                "num_threads:i32",
+                "x:p acc:p row_scales:p col_scales:p weight:p signs:p rows:i64 hidden:i64 "
+                "block:i64 eps:f32 num_threads:i32",
             ),
             _S("kvserve_dequantize_f32", None, _DEQUANTIZE),
             _S("kvserve_dequantize_bf16", None, _DEQUANTIZE),
@@ -239,11 +252,8 @@ FAMILIES: tuple[Family, ...] = (
                 "x:p delta:p weight:p q:p scales:p sums:p rows:i64 hidden:i64 eps:f32 "
                 "normalize:i32 num_threads:i32",
             ),
-            _S(
-                "kvserve_silu_mul_qb",
-                None,
-                "gate_up:p q:p scales:p sums:p rows:i64 width:i64 num_threads:i32",
-            ),
+            _S("kvserve_silu_mul_qb", None, _GATED_QB),
+            _S("kvserve_gelu_tanh_mul_qb", None, _GATED_QB),
         ),
         probe="kvserve_q4_available",
     ),

@@ -147,6 +147,14 @@ def check_step_indices(
     _span(meta.logits_indices, "logits rows", 0, num_rows)
 
 
+_GATE_KERNELS = {"silu": "kvserve_silu_mul", "gelu_tanh": "kvserve_gelu_tanh_mul"}
+
+
+def _gate_kernel(activation: str) -> str:
+    _require(activation in _GATE_KERNELS, f"no gated kernel for activation {activation!r}")
+    return _GATE_KERNELS[activation]
+
+
 def _suffix(tensor: torch.Tensor) -> str:
     return "_f32" if tensor.dtype == torch.float32 else "_bf16"
 
@@ -320,9 +328,15 @@ class CpuKernels:
         scale: float,
         row_tables: torch.Tensor | None = None,
         kv_scales: torch.Tensor | None = None,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """out[i] = attention of q[i] over positions 0..lengths[i]-1 of row i's sequence, whose
         block table is `block_tables[row_tables[i]]` (or `block_tables[i]` without `row_tables`).
+        With a `window`, over positions lengths[i]-window..lengths[i]-1 only (blocks before them
+        are not read); with a `softcap` C, each score s is C * tanh(s / C) before the softmax.
+        The int8 cache takes neither.
 
         q: [rows, heads, head_dim] (rows may be strided, heads and head_dim contiguous);
         kv_layer: [2, kv_heads, num_blocks, block_size, head_dim] contiguous, in q's dtype, or
@@ -357,8 +371,15 @@ class CpuKernels:
             _rows_vector(row_tables, "row tables", num_rows)
         if num_rows == 0:
             return
+        _require(window is None or window > 0, f"a sliding window must be positive, not {window}")
+        _require(softcap is None or softcap > 0, f"a soft cap must be positive, not {softcap}")
         cache = [kv_layer.data_ptr()]
+        extra = []
         if kv_scales is not None:
+            _require(
+                window is None and softcap is None,
+                "the int8 KV cache kernels have no sliding window or soft cap",
+            )
             _require(kv_layer.dtype == torch.int8, "an int8 cache goes with its scales")
             check_tensor(
                 kv_scales, "kv scales", 4, (torch.float32,), shape=tuple(kv_layer.shape[:4])
@@ -367,7 +388,8 @@ class CpuKernels:
             cache.append(kv_scales.data_ptr())
         else:
             _require(kv_layer.dtype == q.dtype, "the cache must be in q's dtype")
-            fn = self._call("kvserve_paged_decode" + _suffix(q))
+            fn = self._call("kvserve_paged_attention" + _suffix(q))
+            extra = [window or 0, softcap or 0.0]
         status = fn(
             q.data_ptr(),
             q.stride(0),
@@ -385,6 +407,7 @@ class CpuKernels:
             num_blocks,
             block_size,
             scale,
+            *extra,
             _threads(),
         )
         check_attention_status(status, num_heads, num_kv_heads, head_dim)
@@ -425,15 +448,16 @@ class CpuKernels:
         )
         return out
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up from `[rows, 2 * width]` (gate columns first): [rows, width]."""
+    def silu_mul(self, gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+        """act(gate) * up from `[rows, 2 * width]` (gate columns first): [rows, width]; act is
+        silu, or gelu with the tanh approximation for `activation="gelu_tanh"` (GeGLU)."""
         check_tensor(gate_up, "gate_up", 2, FLOAT_DTYPES)
         rows, double = gate_up.shape
         _require(double % 2 == 0, "gate_up must have an even number of columns")
         out = torch.empty(rows, double // 2, dtype=gate_up.dtype)
         if rows == 0:
             return out
-        self._call("kvserve_silu_mul" + _suffix(out))(
+        self._call(_gate_kernel(activation) + _suffix(out))(
             gate_up.data_ptr(), out.data_ptr(), rows, double // 2, _threads()
         )
         return out
@@ -577,11 +601,17 @@ class CpuKernels:
         return (q, scales) if normalize else None
 
     def silu_mul_q8(
-        self, acc: torch.Tensor, row_scales: torch.Tensor, col_scales: torch.Tensor, block: int
+        self,
+        acc: torch.Tensor,
+        row_scales: torch.Tensor,
+        col_scales: torch.Tensor,
+        block: int,
+        activation: str = "silu",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """From the int32 gate|up product `[rows, 2 * width]` (gate columns first) and its
-        scales: m = silu(gate) * up, rotated by normalized Walsh-Hadamard blocks of `block`
-        columns (1 = no rotation), returned as per-row int8 (q [rows, width], scales [rows])."""
+        scales: m = act(gate) * up (act: silu, or gelu_tanh), rotated by normalized
+        Walsh-Hadamard blocks of `block` columns (1 = no rotation), returned as per-row int8
+        (q [rows, width], scales [rows])."""
         check_tensor(acc, "acc", 2, (torch.int32,))
         rows, double = acc.shape
         width = double // 2
@@ -596,7 +626,7 @@ class CpuKernels:
         scales = torch.empty(rows, dtype=torch.float32)
         if rows == 0:
             return q, scales
-        self._call("kvserve_silu_mul_q8")(
+        self._call(_gate_kernel(activation) + "_q8")(
             acc.data_ptr(),
             row_scales.data_ptr(),
             col_scales.data_ptr(),
@@ -608,6 +638,49 @@ class CpuKernels:
             _threads(),
         )
         return q, scales
+
+    def add_post_norm_q8(
+        self,
+        x: torch.Tensor,
+        acc: torch.Tensor,
+        row_scales: torch.Tensor,
+        col_scales: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        signs: torch.Tensor | None = None,
+        block: int = 1,
+    ) -> None:
+        """x += (rmsnorm(y) * weight) R in place, y = acc * row_scales[:, None] * col_scales the
+        int32 product [rows, hidden] and R = diag(signs) then normalized Walsh-Hadamard blocks
+        of `block` columns (the residual rotation of kvserve/model/linear/int8.py's
+        `structured_rotation`; no signs and block 1: R = I). x: [rows, hidden] float32."""
+        check_tensor(x, "x", 2, (torch.float32,))
+        rows, hidden = x.shape
+        check_tensor(acc, "acc", 2, (torch.int32,), shape=(rows, hidden))
+        check_tensor(row_scales, "row scales", 1, (torch.float32,), shape=(rows,))
+        check_tensor(col_scales, "column scales", 1, (torch.float32,), shape=(hidden,))
+        check_tensor(weight, "norm weight", 1, (torch.float32,), shape=(hidden,))
+        if signs is not None:
+            check_tensor(signs, "signs", 1, (torch.float32,), shape=(hidden,))
+        _require(
+            block >= 1 and hidden % block == 0 and block & (block - 1) == 0,
+            f"rotation block {block} must be a power of two dividing {hidden}",
+        )
+        if rows == 0:
+            return
+        self._call("kvserve_add_post_norm_q8")(
+            x.data_ptr(),
+            acc.data_ptr(),
+            row_scales.data_ptr(),
+            col_scales.data_ptr(),
+            weight.data_ptr(),
+            _ptr(signs),
+            rows,
+            hidden,
+            block,
+            eps,
+            _threads(),
+        )
 
     def dequantize(
         self,
@@ -816,15 +889,18 @@ class CpuKernels:
         )
         return blocks
 
-    def silu_mul_qb(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """silu(gate) * up of the float32 gate|up product [rows, 2 * width], in blocks."""
+    def silu_mul_qb(
+        self, gate_up: torch.Tensor, activation: str = "silu"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """act(gate) * up (silu, or gelu_tanh) of the float32 gate|up product
+        [rows, 2 * width], in blocks."""
         check_tensor(gate_up, "gate_up", 2, (torch.float32,))
         rows, double = gate_up.shape
         _require(double % 2 == 0, "gate_up must have an even number of columns")
         q, scales, sums = _blocks_out(rows, double // 2)
         if rows == 0:
             return q, scales, sums
-        self._call("kvserve_silu_mul_qb")(
+        self._call(_gate_kernel(activation) + "_qb")(
             gate_up.data_ptr(),
             q.data_ptr(),
             scales.data_ptr(),

@@ -85,7 +85,12 @@ def choose_cache_dtype(requested: str, model) -> tuple[torch.dtype, str]:
     model_dtype = str(model.dtype).removeprefix("torch.")
     if requested == "model":
         return model.dtype, "asked for"
+    from kvserve.model.attention import int8_cache_refusal
+
+    refusal = int8_cache_refusal(model.config)
     if requested == "int8":
+        if refusal is not None:
+            raise ValueError(f"--kv-cache-dtype int8 cannot run this model: {refusal}")
         if not model.supports_int8_kv_cache:
             from kvserve.model.attention import KV_INT8_REQUIREMENTS
 
@@ -95,6 +100,8 @@ def choose_cache_dtype(requested: str, model) -> tuple[torch.dtype, str]:
         raise ValueError(f"unknown kv_cache_dtype {requested!r}")
     if model.quantization == "int8" and model.supports_int8_kv_cache:
         return torch.int8, "auto: int8 linear layers, and the int8 cache kernels run here"
+    if model.quantization == "int8" and refusal is not None:
+        return model.dtype, f"auto: {model_dtype}, the int8 cache: {refusal}"
     if model.quantization == "int8":
         return model.dtype, f"auto: {model_dtype}, the int8 cache kernels need AVX512-VNNI"
     if model.quantization == "gguf":

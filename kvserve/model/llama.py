@@ -1,11 +1,16 @@
-"""The Llama-family decoder (llama, qwen2, qwen3) over a flat batch of rows: one layer loop.
+"""The decoder of every family (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3) over a flat batch of
+rows: one layer loop.
 
 A layer is four products (q|k|v fused, o, gate|up fused, down), each a linear method chosen at
 load for its weight format (kvserve/model/linear/), between the elementwise steps each method's
 activation format fuses (kvserve/model/linear/__init__.py), with one attention backend chosen
 at load (kvserve/model/attention/). The loop below is the only place a layer is written: a
-bias, a norm or a rope change is one edit here. Where every layer fits a one-call C driver
-(kvserve/model/drivers.py), the driver runs the same kernels in the same order as this loop.
+bias, a norm or a rope change is one edit here. What differs between families is data
+(kvserve/model/config.py, kvserve/model/families/) that the loop reads: q/k norms, post-norms
+(Gemma's "sandwich"), the gate's activation (in each activation format), the embedding scale,
+and, in the attention backend, each layer's window, RoPE, scale and soft cap. Where every layer
+fits a one-call C driver (kvserve/model/drivers.py), the driver runs the same kernels in the
+same order as this loop; a model using a feature the drivers lack runs the loop.
 
 RoPE uses the half-rotation form (Hugging Face layout); GGUF checkpoints, which store q/k rows
 permuted for interleaved rotation, are un-permuted by the loader. The residual stream stays in
@@ -24,23 +29,25 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.attention import RopeTables, select_attention
+from kvserve.model.attention import LayerRopes, select_attention
 from kvserve.model.attention.cpu import CpuAttentionMetadata
 from kvserve.model.config import ModelConfig, require_tensor
 from kvserve.model.drivers import BlocksDriver, Int8Driver, Q4Driver
+from kvserve.model.families import Family, family_for
 from kvserve.model.head import BlockEmbedding, BlockHead, FloatHead, QuantizedHead
 from kvserve.model.kernels import CpuKernels, DriverStep
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.linear import LinearMethod, add_residual
 from kvserve.model.linear import q4 as q4_blocks
 from kvserve.model.linear.blocks import BlockActivations, BlockLinear, fused_from_checkpoint
-from kvserve.model.linear.float import FloatLinear
+from kvserve.model.linear.float import FloatFormat, FloatLinear
 from kvserve.model.linear.int8 import (
     Int8Format,
     Int8Linear,
     down_block,
     residual_rotation,
     rotate_layer,
+    structured_rotation,
 )
 from kvserve.model.linear.q4 import Q4Format, Q4Linear
 
@@ -79,6 +86,22 @@ class DecoderLayer:
     attn_norm: torch.Tensor | None  # [hidden] float32; None when folded into q|k|v
     mlp_norm: torch.Tensor | None  # [hidden] float32; None when folded into gate|up
     qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim] float32: q_norm rows, k_norm rows
+    # [hidden] float32: the norms on the attention and MLP outputs (Gemma), never folded
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+
+    @property
+    def norms(self) -> tuple[torch.Tensor | None, ...]:
+        return (
+            self.attn_norm,
+            self.mlp_norm,
+            self.qk_norm,
+            self.post_attn_norm,
+            self.post_mlp_norm,
+        )
+
+
+NORMS = ("attn_norm", "mlp_norm", "qk_norm", "post_attn_norm", "post_mlp_norm")
 
 
 class LlamaModel:
@@ -116,11 +139,17 @@ class LlamaModel:
         self.kernels = kernels if self.device.type == "cpu" else None
         self.quantization = quantization
         self.rotation = rotation
-        self.head = head or FloatHead(norm, lm_head, config.rms_norm_eps, self.kernels)
-        rope = RopeTables.build(
-            config.inverse_frequencies(), config.max_position_embeddings, self.device
+        self.head = head or FloatHead(
+            norm, lm_head, config.rms_norm_eps, self.kernels, config.final_logit_softcapping
         )
-        self.attention = select_attention(config, self.dtype, self.device, self.kernels, rope)
+        # Gemma: sqrt(hidden) rounded to the model dtype, as transformers multiplies by it
+        self.embed_scale = (
+            torch.tensor(config.hidden_size**0.5, dtype=self.dtype)
+            if config.scale_embeddings
+            else None
+        )
+        ropes = LayerRopes.build(config, self.device)
+        self.attention = select_attention(config, self.dtype, self.device, self.kernels, ropes)
         self.driver: Int8Driver | Q4Driver | BlocksDriver | None = None
         self.driver_reason = self._choose_driver()
 
@@ -132,7 +161,7 @@ class LlamaModel:
         if self.kernels is None or self.attention.name != "cpu-paged":
             return "the layer loop (no CPU kernels)"
         driver_class = {"int8": Int8Driver, "q4": Q4Driver, "gguf": BlocksDriver}[self.quantization]
-        reason = driver_class.unsupported(self.layers, self.kernels)
+        reason = driver_class.unsupported(self.layers, self.kernels, self.config)
         if reason is not None:
             log.info("%s layers run the layer loop: %s", self.quantization, reason)
             return f"the layer loop ({reason})"
@@ -166,8 +195,8 @@ class LlamaModel:
         """A model sharing these weights that attends by torch ops (the CUDA path's backend)."""
         from kvserve.model.attention.sdpa import TorchPagedAttention
 
-        rope = self.attention.rope
-        return self.with_attention(TorchPagedAttention(self.config, self.dtype, self.device, rope))
+        ropes = self.attention.ropes
+        return self.with_attention(TorchPagedAttention(self.config, self.dtype, self.device, ropes))
 
     @property
     def supports_int8_kv_cache(self) -> bool:
@@ -188,13 +217,17 @@ class LlamaModel:
         progress: Callable[[int], None] | None = None,
         quantization: str = "none",
         kernels: CpuKernels | None = None,
+        family: Family | None = None,
     ) -> LlamaModel:
         """Build from tensors named as in Hugging Face checkpoints, fusing as it goes: float
         layers ("none") or int8 ones ("int8": rotated and quantized, see linear/int8.py).
 
-        `get(name)` returns a float tensor (any dtype, on CPU) or None when absent. Layers are
-        fused, converted and moved one at a time so peak memory stays near one layer's.
+        `get(name)` returns a float tensor (any dtype, on CPU) or None when absent, norm
+        weights as the factors they multiply by (kvserve/model/families/). `family` names the
+        checkpoint's tensors (default: the architecture's). Layers are fused, converted and
+        moved one at a time so peak memory stays near one layer's.
         """
+        family = family or family_for(config.architecture)
         if quantization == "int8" and (
             kernels is None
             or device.type != "cpu"
@@ -227,36 +260,52 @@ class LlamaModel:
         if progress:
             progress(1)
         int8 = quantization == "int8"
-        residual = residual_rotation(config.hidden_size) if int8 else None
+        sandwich = config.sandwich_norms
+        residual = None
+        if int8:  # post-norms rotate at run time: a rotation cheap to apply there
+            rotate = structured_rotation if sandwich else residual_rotation
+            residual = rotate(config.hidden_size)
         block = down_block(config.intermediate_size)
-        int8_input = Int8Format(kernels, block) if int8 else None
+        activation = config.hidden_activation
+        int8_input = None
+        if int8:
+            int8_input = Int8Format(kernels, block, activation)
+            if sandwich:
+                int8_input.residual_signs = residual.signs.contiguous()
+                int8_input.residual_block = down_block(config.hidden_size)
+        float_input = FloatFormat(dtype, kernels, activation)
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             weight_dtype = torch.float32 if int8 else dtype
-            qkv = torch.cat(
-                [need(p + f"self_attn.{n}_proj.weight").to(weight_dtype) for n in "qkv"]
-            )
+            qkv = torch.cat([need(p + f"{n}.weight").to(weight_dtype) for n in family.qkv])
             bias = None
             if config.attention_bias:
-                bias = torch.cat([need(p + f"self_attn.{n}_proj.bias").float() for n in "qkv"])
-            qk_norm = None
-            if config.qk_norm:
-                qn = need(p + "self_attn.q_norm.weight").float()
-                kn = need(p + "self_attn.k_norm.weight").float()
-                qk_norm = place_float(
-                    torch.cat([qn.expand(config.num_heads, -1), kn.expand(config.num_kv_heads, -1)])
-                )
-            gate_up = torch.cat(
-                [need(p + f"mlp.{n}_proj.weight").to(weight_dtype) for n in ("gate", "up")]
-            )
+                bias = torch.cat([need(p + f"{n}.bias").float() for n in family.qkv])
+            qk_norm = _qk_norm_rows(config, need, p)
+            qk_norm = None if qk_norm is None else place_float(qk_norm)
+            gate_up = torch.cat([need(p + f"{n}.weight").to(weight_dtype) for n in family.gate_up])
             o = need(p + "self_attn.o_proj.weight").to(weight_dtype)
             down = need(p + "mlp.down_proj.weight").to(weight_dtype)
             attn_norm = place_float(need(p + "input_layernorm.weight"))
-            mlp_norm = place_float(need(p + "post_attention_layernorm.weight"))
+            mlp_norm = place_float(need(p + f"{family.mlp_norm}.weight"))
+            post_attn_norm = post_mlp_norm = None
+            if sandwich:
+                post_attn_norm = place_float(need(p + f"{family.post_attention_norm}.weight"))
+                post_mlp_norm = place_float(need(p + f"{family.post_mlp_norm}.weight"))
             if int8:
                 r = rotate_layer(
-                    config, qkv, bias, o, gate_up, down, attn_norm, mlp_norm, residual, block
+                    config,
+                    qkv,
+                    bias,
+                    o,
+                    gate_up,
+                    down,
+                    attn_norm,
+                    mlp_norm,
+                    residual,
+                    block,
+                    writes_residual=not sandwich,
                 )
 
                 def int8_linear(w, b=None):
@@ -270,16 +319,26 @@ class LlamaModel:
                     attn_norm=None,
                     mlp_norm=None,
                     qk_norm=qk_norm,
+                    post_attn_norm=post_attn_norm,
+                    post_mlp_norm=post_mlp_norm,
                 )
             else:
+
+                def float_linear(w, b=None):
+                    return FloatLinear(
+                        place(w), None if b is None else place(b), kernels, float_input
+                    )
+
                 layer = DecoderLayer(
-                    qkv=FloatLinear(place(qkv), None if bias is None else place(bias), kernels),
-                    o=FloatLinear(place(o), kernels=kernels),
-                    gate_up=FloatLinear(place(gate_up), kernels=kernels),
-                    down=FloatLinear(place(down), kernels=kernels),
+                    qkv=float_linear(qkv, bias),
+                    o=float_linear(o),
+                    gate_up=float_linear(gate_up),
+                    down=float_linear(down),
                     attn_norm=attn_norm,
                     mlp_norm=mlp_norm,
                     qk_norm=qk_norm,
+                    post_attn_norm=post_attn_norm,
+                    post_mlp_norm=post_mlp_norm,
                 )
             layers.append(layer)
             if progress:
@@ -299,6 +358,7 @@ class LlamaModel:
             config.rms_norm_eps,
             kernels,
             to_model=rotation.t().contiguous(),
+            softcap=config.final_logit_softcapping,
         )
         return cls(
             config,
@@ -326,6 +386,8 @@ class LlamaModel:
         `q4.unsupported` says whether it can). CPU only."""
         if kernels is None or not kernels.q4:
             raise ValueError(Q4_REQUIREMENTS)
+        family = checkpoint.family
+        q4_input = Q4Format(kernels, config.hidden_activation)
 
         def need(name: str) -> torch.Tensor:
             return require_tensor(checkpoint.get, name)
@@ -334,15 +396,13 @@ class LlamaModel:
         if progress:
             progress(1)
         layers = []
+
+        def post_norm(name: str) -> torch.Tensor | None:
+            return need(name).float().contiguous() if config.sandwich_norms else None
+
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            qk_norm = None
-            if config.qk_norm:
-                qn = need(p + "self_attn.q_norm.weight").float()
-                kn = need(p + "self_attn.k_norm.weight").float()
-                qk_norm = torch.cat(
-                    [qn.expand(config.num_heads, -1), kn.expand(config.num_kv_heads, -1)]
-                ).contiguous()
+            qk_norm = _qk_norm_rows(config, need, p)
             products = {
                 name: q4_blocks.load_projection(
                     checkpoint,
@@ -350,15 +410,18 @@ class LlamaModel:
                     names,
                     kernels,
                     bias=name == "qkv" and config.attention_bias,
+                    input=q4_input,
                 )
-                for name, names in q4_blocks.PROJECTIONS.items()
+                for name, names in family.projections().items()
             }
             layers.append(
                 DecoderLayer(
                     **products,
                     attn_norm=need(p + "input_layernorm.weight").float().contiguous(),
-                    mlp_norm=need(p + "post_attention_layernorm.weight").float().contiguous(),
+                    mlp_norm=need(p + f"{family.mlp_norm}.weight").float().contiguous(),
                     qk_norm=qk_norm,
+                    post_attn_norm=post_norm(p + f"{family.post_attention_norm}.weight"),
+                    post_mlp_norm=post_norm(p + f"{family.post_mlp_norm}.weight"),
                 )
             )
             if progress:
@@ -376,6 +439,7 @@ class LlamaModel:
             config.rms_norm_eps,
             kernels,
             to_head=residual.matrix().contiguous(),
+            softcap=config.final_logit_softcapping,
         )
         return cls(
             config, embed, layers, norm, lm_head, quantization="q4", kernels=kernels, head=head
@@ -402,10 +466,14 @@ class LlamaModel:
             raise ValueError(GGUF_REQUIREMENTS)
         if fine is None:
             fine = config.hidden_size < FINE_ACTIVATIONS_BELOW
-        activations = BlockActivations(kernels, fine)
+        family = checkpoint.family
+        activations = BlockActivations(kernels, fine, config.hidden_activation)
 
         def need(name: str) -> torch.Tensor:
             return require_tensor(checkpoint.get, name).float().contiguous()
+
+        def post_norm(name: str) -> torch.Tensor | None:
+            return need(name) if config.sandwich_norms else None
 
         embed_name = "model.embed_tokens.weight"
         embed = BlockEmbedding(
@@ -416,14 +484,8 @@ class LlamaModel:
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            qk_norm = None
-            if config.qk_norm:
-                qn, kn = need(p + "self_attn.q_norm.weight"), need(p + "self_attn.k_norm.weight")
-                qk_norm = torch.cat(
-                    [qn.expand(config.num_heads, -1), kn.expand(config.num_kv_heads, -1)]
-                ).contiguous()
             products = {}
-            for name, parts in q4_blocks.PROJECTIONS.items():
+            for name, parts in family.projections().items():
                 biases = None
                 if name == "qkv" and config.attention_bias:
                     biases = [p + n + ".bias" for n in parts]
@@ -434,8 +496,10 @@ class LlamaModel:
                 DecoderLayer(
                     **products,
                     attn_norm=need(p + "input_layernorm.weight"),
-                    mlp_norm=need(p + "post_attention_layernorm.weight"),
-                    qk_norm=qk_norm,
+                    mlp_norm=need(p + f"{family.mlp_norm}.weight"),
+                    qk_norm=_qk_norm_rows(config, need, p),
+                    post_attn_norm=post_norm(p + f"{family.post_attention_norm}.weight"),
+                    post_mlp_norm=post_norm(p + f"{family.post_mlp_norm}.weight"),
                 )
             )
             if progress:
@@ -450,6 +514,7 @@ class LlamaModel:
             checkpoint.raw_rows(head_name),
             config.rms_norm_eps,
             kernels,
+            softcap=config.final_logit_softcapping,
         )
         if progress:
             progress(1)
@@ -495,11 +560,15 @@ class LlamaModel:
                 tensors |= method.to_tensors(f"{prefix}.{name}")
                 if isinstance(method, Q4Linear):
                     numbers |= method.numbers(f"{prefix}.{name}")
-            for name in ("attn_norm", "mlp_norm", "qk_norm"):
+            for name in NORMS:
                 if getattr(layer, name) is not None:
                     tensors[f"{prefix}.{name}"] = getattr(layer, name)
         if self.quantization == "int8" and self.layers:
-            numbers["down_block"] = self.layers[0].gate_up.input.down_block
+            int8_input = self.layers[0].gate_up.input
+            numbers["down_block"] = int8_input.down_block
+            if int8_input.residual_signs is not None:
+                tensors["residual_signs"] = int8_input.residual_signs
+                numbers["residual_block"] = int8_input.residual_block
         return tensors, numbers
 
     @classmethod
@@ -528,7 +597,15 @@ class LlamaModel:
             raise ValueError(Q4_REQUIREMENTS)
         if int(numbers["num_layers"]) != config.num_layers:
             raise KeyError("prepared weights hold another number of layers")
-        int8_input = None if q4 else Int8Format(kernels, int(numbers["down_block"]))
+        activation = config.hidden_activation
+        int8_input = None
+        if not q4:
+            int8_input = Int8Format(kernels, int(numbers["down_block"]), activation)
+            if config.sandwich_norms:
+                if "residual_signs" not in tensors:
+                    raise KeyError("prepared weights lack the residual rotation's signs")
+                int8_input.residual_signs = tensors["residual_signs"]
+                int8_input.residual_block = int(numbers["residual_block"])
         layers = []
         for index in range(config.num_layers):
             prefix = f"layers.{index}"
@@ -538,7 +615,7 @@ class LlamaModel:
                         tensors,
                         numbers,
                         f"{prefix}.{name}",
-                        input=Q4Format(kernels),
+                        input=Q4Format(kernels, activation),
                         kernels=kernels,
                     )
                     for name in PRODUCTS
@@ -552,14 +629,13 @@ class LlamaModel:
                 }
             layers.append(
                 DecoderLayer(
-                    **products,
-                    attn_norm=tensors.get(f"{prefix}.attn_norm"),
-                    mlp_norm=tensors.get(f"{prefix}.mlp_norm"),
-                    qk_norm=tensors.get(f"{prefix}.qk_norm"),
+                    **products, **{name: tensors.get(f"{prefix}.{name}") for name in NORMS}
                 )
             )
             if config.qk_norm and layers[-1].qk_norm is None:
                 raise KeyError("prepared weights lack the q/k norms")
+            if config.sandwich_norms and layers[-1].post_mlp_norm is None:
+                raise KeyError("prepared weights lack the post-norms")
         head = QuantizedHead(
             Int8Linear.from_tensors(tensors, "head", kernels=kernels),
             norm,
@@ -568,6 +644,7 @@ class LlamaModel:
             kernels,
             to_head=tensors.get("head.to_head"),
             to_model=tensors.get("head.to_model"),
+            softcap=config.final_logit_softcapping,
         )
         return cls(
             config,
@@ -589,7 +666,7 @@ class LlamaModel:
             raise KeyError("prepared weights hold another number of layers")
         if not kernels.blocks_isa:
             raise ValueError(GGUF_REQUIREMENTS)
-        activations = BlockActivations(kernels, bool(numbers["fine"]))
+        activations = BlockActivations(kernels, bool(numbers["fine"]), config.hidden_activation)
         layers = []
         for index in range(config.num_layers):
             prefix = f"layers.{index}"
@@ -599,14 +676,15 @@ class LlamaModel:
             }
             layers.append(
                 DecoderLayer(
-                    **products,
-                    attn_norm=tensors[f"{prefix}.attn_norm"],
-                    mlp_norm=tensors[f"{prefix}.mlp_norm"],
-                    qk_norm=tensors.get(f"{prefix}.qk_norm"),
+                    **products, **{name: tensors.get(f"{prefix}.{name}") for name in NORMS}
                 )
             )
+            if layers[-1].attn_norm is None or layers[-1].mlp_norm is None:
+                raise KeyError("prepared weights lack the norms")
             if config.qk_norm and layers[-1].qk_norm is None:
                 raise KeyError("prepared weights lack the q/k norms")
+            if config.sandwich_norms and layers[-1].post_mlp_norm is None:
+                raise KeyError("prepared weights lack the post-norms")
         embed_name = "model.embed_tokens.weight"
         head_name = embed_name if config.tie_word_embeddings else "lm_head.weight"
         embed = BlockEmbedding(
@@ -620,6 +698,7 @@ class LlamaModel:
             checkpoint.raw_rows(head_name),
             config.rms_norm_eps,
             kernels,
+            softcap=config.final_logit_softcapping,
         )
         return cls(
             config,
@@ -654,8 +733,7 @@ class LlamaModel:
         total = 0
         for layer in self.layers:
             total += sum(getattr(layer, name).num_bytes for name in PRODUCTS)
-            norms = (layer.attn_norm, layer.mlp_norm, layer.qk_norm)
-            total += sum(t.numel() * t.element_size() for t in norms if t is not None)
+            total += sum(t.numel() * t.element_size() for t in layer.norms if t is not None)
         return total
 
     @property
@@ -689,8 +767,14 @@ class LlamaModel:
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The embedded rows of token_ids ([rows] int64) as float32 [rows, hidden]."""
         if isinstance(self.embed, BlockEmbedding):
-            return self.embed(token_ids)
-        return F.embedding(token_ids, self.embed).float()
+            x = self.embed(token_ids)
+            if self.embed_scale is not None:  # as llama.cpp: in float32
+                x = x * self.embed_scale.float()
+            return x
+        x = F.embedding(token_ids, self.embed)  # [rows, hidden]
+        if self.embed_scale is not None:  # in the model dtype, as transformers
+            x = x * self.embed_scale
+        return x.float()  # the residual, fp32
 
     def run_layers(self, x: torch.Tensor, meta, kv_cache: KVCache) -> None:
         """Every layer on the residual rows x ([rows, hidden] float32, in place): the one
@@ -706,16 +790,22 @@ class LlamaModel:
                 qkv = self._qk_norm(qkv, layer.qk_norm)
             attn = self.attention.forward(qkv.to(dtype), index, meta, kv_cache)  # [rows, q]
             y = layer.o.apply(layer.o.input.rows(attn))
+            if layer.post_attn_norm is not None:  # x += rmsnorm(y) * w (Gemma)
+                layer.gate_up.input.add_normed(x, y, layer.post_attn_norm, eps)
+                y = None
             h = layer.gate_up.input.normed(x, y, layer.mlp_norm, eps)
             y = layer.down.apply(layer.down.input.gated(layer.gate_up.apply(h)))
+            if layer.post_mlp_norm is not None:
+                layer.down.input.add_normed(x, y, layer.post_mlp_norm, eps)
+                y = None
             if index + 1 < len(layers):
                 following = layers[index + 1]
                 h = following.qkv.input.normed(x, y, following.attn_norm, eps)
-            else:
+            elif y is not None:
                 add_residual(x, y)
 
     def _qk_norm(self, qkv: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The per-head RMSNorm of q and k (qwen3) on the q|k|v rows, before RoPE."""
+        """The per-head RMSNorm of q and k (qwen3, gemma3) on the q|k|v rows, before RoPE."""
         cfg = self.config
         heads = cfg.num_heads + cfg.num_kv_heads
         if self.kernels is not None and self.kernels.has("layer_ops") and qkv.is_contiguous():
@@ -726,3 +816,15 @@ class LlamaModel:
         normed = F.rms_norm(qk.float(), (cfg.head_dim,), None, cfg.rms_norm_eps) * weight
         qk.copy_(normed.to(qk.dtype))
         return qkv
+
+
+def _qk_norm_rows(config: ModelConfig, need, prefix: str) -> torch.Tensor | None:
+    """[heads + kv_heads, head_dim] float32: the q norm's row for every query head, then the k
+    norm's for every KV head (None without q/k norms)."""
+    if not config.qk_norm:
+        return None
+    qn = need(prefix + "self_attn.q_norm.weight").float()
+    kn = need(prefix + "self_attn.k_norm.weight").float()
+    return torch.cat(
+        [qn.expand(config.num_heads, -1), kn.expand(config.num_kv_heads, -1)]
+    ).contiguous()

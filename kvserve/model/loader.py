@@ -238,13 +238,17 @@ class LoadedModel:
 
     def summary(self) -> str:
         cfg = self.config
+        windows = ""
+        if cfg.windowed:
+            count = sum(w is not None for w in cfg.layer_windows)
+            windows = f", sliding window {cfg.sliding_window} on {count}/{cfg.num_layers} layers"
         return (
             f"loaded {self.name}: {cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M params, "
             f"{cfg.num_layers} layers, {str(self.dtype).removeprefix('torch.')}"
             f"{'' if self.model.quantization == 'none' else ' + ' + self.model.quantization} "
             f"on {self.device}, "
             f"weights {self.model.num_bytes / 2**20:.0f} MiB (from {'/'.join(self.quantization)}), "
-            f"context {cfg.max_position_embeddings}, in {self.load_seconds:.1f} s"
+            f"context {cfg.max_position_embeddings}{windows}, in {self.load_seconds:.1f} s"
             f"{'' if self.weight_cache == 'off' else f' (prepared weights: {self.weight_cache})'}"
         )
 
@@ -334,6 +338,7 @@ def _load_model(
                 progress=bar.update,
                 quantization=quantization,
                 kernels=kernels,
+                family=checkpoint.family,
             )
 
     cache = None

@@ -53,6 +53,11 @@ _PREPARING_SOURCES = (
     "safetensors.py",
     "kernels.py",
     "linear/blocks.py",
+    # tensor names, fused projections and norm offsets of each family
+    "families/__init__.py",
+    "families/llama.py",
+    "families/gemma.py",
+    "families/phi3.py",
 )
 
 

@@ -50,6 +50,15 @@ def test_silu_mul_matches_torch(dtype, native):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul_matches_torch(dtype, native):
+    gate_up = (torch.randn(17, 2 * 96, generator=gen(13)) * 4).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expect = F.gelu(gate, approximate="tanh") * up
+    got = native.silu_mul(gate_up, activation="gelu_tanh").float()
+    assert (got - expect).abs().max() <= TOLERANCE[dtype] * expect.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_matches_torch(dtype, native):
     heads, kv_heads, head_dim, rows = 4, 2, 64, 6
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen(4)).to(dtype)
@@ -297,3 +306,85 @@ def test_native_attention_matches_torch_attention_in_prefill_and_decode(loaded_f
 
     assert model.attention.name == "cpu-paged"
     assert (run(model) - run(model.torch_attention())).abs().max() <= 1e-4
+
+
+def _reference_rows(q, positions, lengths, scale, window=None, softcap=None):
+    """Each row's attention over its own positions (the last `window` of them), scores capped
+    as C tanh(s / C): q [rows, heads, d]; positions [2, kv_heads, length, d] float32."""
+    heads, kv_heads = q.shape[1], positions.shape[1]
+    keys = positions.repeat_interleave(heads // kv_heads, 1)
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, length in enumerate(lengths.tolist()):
+        first = max(0, length - window) if window else 0
+        k, v = keys[0, :, first:length].double(), keys[1, :, first:length].double()
+        scores = torch.einsum("hd,hjd->hj", q[i].double(), k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        out[i] = torch.einsum("hj,hjd->hd", scores.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "window, softcap", [(16, None), (50, None), (None, 20.0), (7, 5.0), (1, None)]
+)
+def test_sliding_window_and_soft_cap_rows_match_the_reference_alone_and_in_a_tile(
+    dtype, window, softcap, native
+):
+    """A windowed row attends to the last `window` positions of its sequence only, a capped
+    score is C tanh(s / C); rows of a prefill chunk (windows starting mid-block, blocks wholly
+    outside every window skipped) equal the same rows alone, bit for bit, in any block size."""
+    heads, kv_heads, head_dim = 6, 2, 64
+    start, n, length = 40, 37, 77
+    positions = torch.randn(2, kv_heads, length, head_dim, generator=gen(30)).to(dtype)
+    q = (torch.randn(n + 1, heads, head_dim, generator=gen(31)) * 3).to(dtype)
+    lengths = torch.cat([torch.arange(start + 1, start + n + 1), torch.tensor([9])])
+    row_tables = torch.tensor([0] * n + [1])
+    scale = head_dim**-0.5
+    expect = _reference_rows(q.float(), positions.float(), lengths, scale, window, softcap)
+    results = []
+    for block_size in (32, 10, 3):
+        kv, order = laid_out(positions, block_size, block_size)
+        # positions wholly before every window hold garbage: they must never be read
+        if window is not None:
+            dead = max(0, (start + 1 - window) // block_size)
+            kv[:, :, order[:dead]] = float("nan")
+        tables = order[None].repeat(2, 1)
+        out = torch.empty_like(q)
+        native.paged_attention(
+            q, kv, tables, lengths, out, scale, row_tables, window=window, softcap=softcap
+        )
+        alone = torch.empty_like(q)
+        for i in range(n if window is not None else n + 1):
+            native.paged_attention(
+                q[i : i + 1], kv, order[None], lengths[i : i + 1], alone[i : i + 1], scale,
+                window=window, softcap=softcap,
+            )  # fmt: skip
+        rows = n if window is not None else n + 1  # the last row's sequence is the NaN-free one
+        assert torch.equal(out[:rows], alone[:rows])
+        if dtype == torch.float32:
+            assert (out[:n].double() - expect[:n]).abs().max() <= 1e-5
+        else:
+            assert (out[:n].double() - expect[:n]).abs().max() <= 2e-2
+        results.append(out[:n])
+    if dtype == torch.float32:
+        for other in results[1:]:
+            assert torch.equal(results[0], other)
+
+
+def test_attention_refuses_a_window_on_the_int8_cache_and_nonsense_values(native):
+    q = torch.randn(1, 2, 64)
+    kv = torch.zeros(2, 1, 1, 16, 64)
+    tables, lengths, out = (
+        torch.zeros(1, 1, dtype=torch.long),
+        torch.tensor([3]),
+        torch.empty(1, 2, 64),
+    )
+    for kwargs in ({"window": 0}, {"softcap": -1.0}):
+        with pytest.raises(ValueError):
+            native.paged_attention(q, kv, tables, lengths, out, 0.125, **kwargs)
+    scales = torch.zeros(2, 1, 1, 16)
+    with pytest.raises(ValueError, match="int8"):
+        native.paged_attention(
+            q, kv.to(torch.int8), tables, lengths, out, 0.125, kv_scales=scales, window=4
+        )

@@ -209,6 +209,45 @@ def test_silu_mul_q8_rotates_by_hadamard_blocks(block, native):
 
 
 @needs_kernels
+@pytest.mark.parametrize("block", [1, 16, 512])
+def test_gelu_tanh_mul_q8_is_geglu_rotated_by_hadamard_blocks(block, native):
+    rows, width = 11, 1536
+    acc = torch.randint(-(2**16), 2**16, (rows, 2 * width), dtype=torch.int32)
+    row_scales, col_scales = torch.rand(rows) * 1e-4, torch.rand(2 * width)
+    values = acc.float() * row_scales[:, None] * col_scales
+    gate, up = values[:, :width], values[:, width:]
+    geglu = F.gelu(gate, approximate="tanh") * up
+    expect = geglu.view(rows, -1, block) @ quant.hadamard(block).float()
+    q, scales = native.silu_mul_q8(acc, row_scales, col_scales, block, activation="gelu_tanh")
+    _check_quantized(q, scales, expect.reshape(rows, width))
+    silu, _ = native.silu_mul_q8(acc, row_scales, col_scales, block)
+    assert not torch.equal(silu, q)  # another activation, not silu's
+
+
+@needs_kernels
+@pytest.mark.parametrize("structured", [False, True])
+def test_add_post_norm_q8_adds_the_rotated_normed_product(structured, native):
+    """x += (rmsnorm(y) * w) R: Gemma's post-norm on an int8 product, into the rotated
+    residual basis (R: signs then Hadamard blocks; the identity without them)."""
+    rows, hidden = 9, 576
+    acc = torch.randint(-(2**20), 2**20, (rows, hidden), dtype=torch.int32)
+    row_scales, col_scales = torch.rand(rows) * 1e-6, torch.rand(hidden)
+    weight = 1 + 0.3 * torch.randn(hidden)
+    x = torch.randn(rows, hidden)
+    y = acc.float() * row_scales[:, None] * col_scales
+    normed = F.rms_norm(y, (hidden,), weight, 1e-6)
+    if structured:
+        rotation = quant.structured_rotation(hidden)
+        signs, block = rotation.signs, quant.down_block(hidden)
+        expect = x + normed @ rotation.matrix()
+    else:
+        signs, block = None, 1
+        expect = x + normed
+    native.add_post_norm_q8(x, acc, row_scales, col_scales, weight, 1e-6, signs, block)
+    assert torch.allclose(x, expect, atol=2e-5)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dequantize(dtype, native):
     acc = torch.randint(-(2**20), 2**20, (6, 960), dtype=torch.int32)

@@ -5,6 +5,10 @@ consecutive prompt positions) or a decode row (one position). Every row's K/V is
 the paged cache at its slot; then each row attends to its own sequence's positions `0 .. its
 position`, read back through the sequence's block table. Sequences never see each other.
 
+A layer may attend to a sliding window only (the row's last `config.layer_window(layer)`
+positions), soft-cap its scores (`config.attn_logit_softcapping`) and rotate with its own RoPE
+(`LayerRopes`: Gemma 3's windowed layers); every backend implements the same semantics.
+
 Each backend builds the metadata it reads (`build_metadata`, once per step, shared by every
 layer) and does one layer's RoPE, cache write and attention (`forward`):
 
@@ -41,21 +45,53 @@ class ChunkLike(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class RopeTables:
-    """RoPE's half tables: cos and sin of position * inverse frequency, float32
-    [max_positions, head_dim / 2] on the model's device."""
+    """RoPE's half tables: cos and sin of position * inverse frequency, times the scheme's
+    attention factor (YaRN, longrope; 1 otherwise), float32 [max_positions, head_dim / 2] on
+    the model's device."""
 
     cos_half: torch.Tensor
     sin_half: torch.Tensor
 
     @classmethod
-    def build(cls, inverse_frequencies: list[float], max_positions: int, device) -> RopeTables:
-        inv = torch.tensor(inverse_frequencies, dtype=torch.float32)
+    def build(
+        cls,
+        inverse_frequencies: list[float] | torch.Tensor,
+        max_positions: int,
+        device,
+        attention_factor: float = 1.0,
+    ) -> RopeTables:
+        inv = torch.as_tensor(inverse_frequencies, dtype=torch.float32)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
-        return cls(angles.cos().contiguous().to(device), angles.sin().contiguous().to(device))
+        cos, sin = angles.cos(), angles.sin()
+        if attention_factor != 1.0:  # as transformers: cos() * attention_scaling
+            cos, sin = cos * attention_factor, sin * attention_factor
+        return cls(cos.contiguous().to(device), sin.contiguous().to(device))
 
     @property
     def max_positions(self) -> int:
         return self.cos_half.shape[0]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRopes:
+    """The RoPE tables of every layer: the model's, and the windowed layers' own where the
+    model has a local RoPE (Gemma 3). `rope` is the model's (the one-call drivers' tables)."""
+
+    rope: RopeTables
+    layers: tuple[RopeTables, ...]
+
+    @classmethod
+    def build(cls, config, device) -> LayerRopes:
+        inv, factor = config.rope()
+        rope = RopeTables.build(inv, config.max_position_embeddings, device, factor)
+        local = rope
+        if config.local_rope_theta is not None:
+            inv, factor = config.rope(local=True)
+            local = RopeTables.build(inv, config.max_position_embeddings, device, factor)
+        layers = tuple(
+            local if config.layer_uses_local_rope(i) else rope for i in range(config.num_layers)
+        )
+        return cls(rope, layers)
 
 
 def flatten_chunks(chunks: Sequence[ChunkLike], block_size: int):
@@ -89,7 +125,8 @@ class AttentionBackend(Protocol):
 
     name: str
     supports_int8_cache: bool
-    rope: RopeTables
+    rope: RopeTables  # the model's (layers with their own RoPE keep theirs in `ropes`)
+    ropes: LayerRopes
 
     def build_metadata(self, chunks: Sequence[ChunkLike], block_size: int):
         """The step's index tensors (row order = chunk order), on the model's device. Its
@@ -106,8 +143,18 @@ class AttentionBackend(Protocol):
         ...
 
 
+def int8_cache_refusal(config) -> str | None:
+    """Why this model cannot run on the int8 KV cache whatever the CPU (its kernels have no
+    sliding window and no soft cap), None when it can."""
+    if config.windowed:
+        return "its kernels do not implement this model's sliding-window layers"
+    if config.attn_logit_softcapping is not None:
+        return "its kernels do not implement this model's attention soft-capping"
+    return None
+
+
 def select_attention(
-    config, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None, rope: RopeTables
+    config, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None, ropes: LayerRopes
 ) -> AttentionBackend:
     """The C kernels where they run this model (CPU, fp32/bf16, head_dim 64 or 128), else
     torch ops."""
@@ -117,5 +164,5 @@ def select_attention(
     if kernels is not None and kernels.supports(
         device, dtype, config.num_heads, config.num_kv_heads, config.head_dim
     ):
-        return CpuPagedAttention(config, dtype, kernels, rope)
-    return TorchPagedAttention(config, dtype, device, rope)
+        return CpuPagedAttention(config, dtype, kernels, ropes)
+    return TorchPagedAttention(config, dtype, device, ropes)

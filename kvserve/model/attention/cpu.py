@@ -1,7 +1,9 @@
 """Paged attention by the C kernels (csrc/paged_attention.c, csrc/kv_int8.c): every row alike.
 
 Each row reads K/V straight out of the cache through its chunk's block table; causality is
-each row's length. The kernels trust the indices they are handed, so `check_step` checks every
+each row's length, a layer's sliding window the last positions of it (the kernel skips the
+blocks before them), and its soft cap is applied in the kernel. The int8 cache kernels have
+neither: a windowed or soft-capped model refuses that cache. The kernels trust the indices they are handed, so `check_step` checks every
 index of a step once (kvserve.model.kernels.check_step_indices) before the first layer runs.
 """
 
@@ -12,7 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.model.attention import KV_INT8_REQUIREMENTS, ChunkLike, RopeTables, flatten_chunks
+from kvserve.model.attention import (
+    KV_INT8_REQUIREMENTS,
+    ChunkLike,
+    LayerRopes,
+    flatten_chunks,
+    int8_cache_refusal,
+)
 from kvserve.model.kernels import CpuKernels, check_step_indices
 
 
@@ -34,13 +42,17 @@ class CpuPagedAttention:
 
     name = "cpu-paged"
 
-    def __init__(self, config, dtype: torch.dtype, kernels: CpuKernels, rope: RopeTables) -> None:
+    def __init__(self, config, dtype: torch.dtype, kernels: CpuKernels, ropes: LayerRopes) -> None:
         self.config = config
         self.dtype = dtype
         self.kernels = kernels
-        self.rope = rope
-        self.scale = config.head_dim**-0.5
-        self.supports_int8_cache = kernels.kv_int8
+        self.ropes = ropes
+        self.rope = ropes.rope
+        self.scale = config.attention_scale
+        self.windows = config.layer_windows
+        self.softcap = config.attn_logit_softcapping
+        self.int8_cache_refusal = int8_cache_refusal(config)
+        self.supports_int8_cache = kernels.kv_int8 and self.int8_cache_refusal is None
 
     def build_metadata(self, chunks: Sequence[ChunkLike], block_size: int) -> CpuAttentionMetadata:
         slots, positions, row_tables, tables, logits_rows = flatten_chunks(chunks, block_size)
@@ -59,6 +71,8 @@ class CpuPagedAttention:
 
     def check_step(self, meta: CpuAttentionMetadata, kv_cache, num_rows: int) -> None:
         if kv_cache.quantized and not self.supports_int8_cache:
+            if self.int8_cache_refusal is not None:
+                raise ValueError(f"--kv-cache-dtype int8: {self.int8_cache_refusal}")
             raise ValueError(KV_INT8_REQUIREMENTS)
         if not isinstance(meta, CpuAttentionMetadata):
             raise ValueError(f"{type(meta).__name__} is not this backend's metadata")
@@ -77,11 +91,12 @@ class CpuPagedAttention:
             cfg.head_dim,
         )
         kv_layer, kv_scales = kv_cache.layer(layer), kv_cache.layer_scales(layer)
+        rope = self.ropes.layers[layer]
         self.kernels.rope_store(
             qkv,
             meta.positions,
-            self.rope.cos_half,
-            self.rope.sin_half,
+            rope.cos_half,
+            rope.sin_half,
             meta.slot_mapping,
             kv_layer,
             heads,
@@ -99,5 +114,7 @@ class CpuPagedAttention:
             self.scale,
             meta.row_tables,
             kv_scales=kv_scales,
+            window=self.windows[layer],
+            softcap=self.softcap,
         )
         return out.view(rows, heads * head_dim)

@@ -46,6 +46,14 @@ static inline float exp_approx(float x) {
     return y * scale;
 }
 
+/* gelu with the tanh approximation (Gemma's GeGLU, torch's approximate="tanh"),
+ * 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), written as g sigmoid(2 sqrt(2 / pi) (...)):
+ * the same identity, one exp_approx, and it vectorizes as SiLU's g / (1 + exp(-g)) does. */
+static inline float gelu_tanh_approx(float g) {
+    const float a = 1.5957691216057308f * (g + 0.044715f * g * g * g);
+    return g / (1.f + exp_approx(-a));
+}
+
 /* In place, softmax of each of `rows` rows of `length` floats (row stride `length`). */
 static inline void softmax_rows(float *scores, int64_t rows, int64_t length) {
     for (int64_t g = 0; g < rows; g++) {

@@ -4,6 +4,7 @@
  *
  *   add_rmsnorm   x += delta (optional); out = cast(x * rsqrt(mean(x^2) + eps) * weight)
  *   silu_mul      out = cast(silu(gate) * up) from the fused gate|up product
+ *   gelu_tanh_mul out = cast(gelu_tanh(gate) * up), the same for GeGLU (Gemma)
  *   rope_store    rotate q and k in place (half-rotation RoPE) and write k, v into the paged cache
  *   qk_norm       the per-head RMSNorm of q and k (qwen3), in place, computed in float32
  *
@@ -86,6 +87,20 @@ void kvserve_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows,
 #else
 DEFINE_SILU_MUL(kvserve_silu_mul_bf16, uint16_t, bf16_to_float, float_to_bf16)
 #endif
+
+#define DEFINE_GELU_TANH_MUL(NAME, T, LOAD, STORE)                                                 \
+    void NAME(const T *gate_up, T *out, int64_t rows, int64_t width, int num_threads) {           \
+        _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")                        \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            const T *gate = gate_up + r * 2 * width, *up = gate + width;                          \
+            T *orow = out + r * width;                                                            \
+            _Pragma("omp simd") for (int64_t i = 0; i < width; i++) orow[i] =                     \
+                STORE(gelu_tanh_approx(LOAD(gate[i])) * LOAD(up[i]));                             \
+        }                                                                                         \
+    }
+
+DEFINE_GELU_TANH_MUL(kvserve_gelu_tanh_mul_f32, float, float_identity, float_identity)
+DEFINE_GELU_TANH_MUL(kvserve_gelu_tanh_mul_bf16, uint16_t, bf16_to_float, float_to_bf16)
 
 /*
  * qkv: [rows][(heads + 2 kv_heads) * head_dim], q heads then k heads then v heads.

@@ -16,6 +16,10 @@ void kvserve_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_
                           int num_threads);
 void kvserve_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width,
                            int num_threads);
+void kvserve_gelu_tanh_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t width,
+                               int num_threads);
+void kvserve_gelu_tanh_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows,
+                                int64_t width, int num_threads);
 void kvserve_rope_store_f32(float *qkv, const int64_t *positions, const float *cos_table,
                             const float *sin_table, const int64_t *slots, float *kv, int64_t rows,
                             int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t num_slots,

@@ -22,5 +22,7 @@ void kvserve_add_rmsnorm_qb(float *x, const float *delta, const float *weight, i
                             int normalize, int num_threads);
 void kvserve_silu_mul_qb(const float *gate_up, int8_t *q, float *scales, float *sums,
                          int64_t rows, int64_t width, int num_threads);
+void kvserve_gelu_tanh_mul_qb(const float *gate_up, int8_t *q, float *scales, float *sums,
+                              int64_t rows, int64_t width, int num_threads);
 
 #endif

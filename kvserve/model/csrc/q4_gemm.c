@@ -246,6 +246,20 @@ void kvserve_add_rmsnorm_qb(float *x, const float *delta, const float *weight, i
 DEFINE_QUANTIZE_BLOCKS(kvserve_quantize_blocks_f32, float, float_identity)
 DEFINE_QUANTIZE_BLOCKS(kvserve_quantize_blocks_bf16, uint16_t, bf16_to_float)
 
+/* m = gelu_tanh(gate) * up (GeGLU), otherwise as kvserve_silu_mul_qb. */
+void kvserve_gelu_tanh_mul_qb(const float *gate_up, int8_t *q, float *scales, float *sums,
+                              int64_t rows, int64_t width, int num_threads) {
+    _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * width, *up = gate + width;
+        float v[width];
+        _Pragma("omp simd") for (int64_t i = 0; i < width; i++) v[i] =
+            gelu_tanh_approx(gate[i]) * up[i];
+        quantize_blocks_row(v, width, q + r * width, q + (rows + r) * width,
+                            scales + r * (width / 32), sums + r * (width / 32));
+    }
+}
+
 /* m = silu(gate) * up from the float gate|up product [rows][2 * width], quantized per block. */
 void kvserve_silu_mul_qb(const float *gate_up, int8_t *q, float *scales, float *sums,
                          int64_t rows, int64_t width, int num_threads) {

@@ -1,6 +1,6 @@
 /*
- * The "quant_ops" kernel family (quant_ops.c): the elementwise kernels of the int8 linear path,
- * the residual rotation and the top-k of logits rows.
+ * The "quant_ops" kernel family (quant_ops.c): the elementwise kernels of the int8 linear path
+ * (SiLU and gelu-tanh gates, post-norms), the residual rotation and the top-k of logits rows.
  */
 #ifndef KVSERVE_QUANT_OPS_H
 #define KVSERVE_QUANT_OPS_H
@@ -17,6 +17,13 @@ void kvserve_add_rmsnorm_q8(float *x, const int32_t *acc, const float *row_scale
 void kvserve_silu_mul_q8(const int32_t *acc, const float *row_scales, const float *col_scales,
                          int8_t *q, float *scales, int64_t rows, int64_t width, int64_t block,
                          int num_threads);
+void kvserve_gelu_tanh_mul_q8(const int32_t *acc, const float *row_scales,
+                              const float *col_scales, int8_t *q, float *scales, int64_t rows,
+                              int64_t width, int64_t block, int num_threads);
+void kvserve_add_post_norm_q8(float *x, const int32_t *acc, const float *row_scales,
+                              const float *col_scales, const float *weight, const float *signs,
+                              int64_t rows, int64_t hidden, int64_t block, float eps,
+                              int num_threads);
 void kvserve_dequantize_f32(const int32_t *acc, const float *row_scales, const float *col_scales,
                             const float *bias, float *out, int64_t rows, int64_t cols,
                             int num_threads);

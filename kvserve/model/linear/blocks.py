@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from kvserve.model.block_formats import (
     FORMATS,
@@ -54,6 +55,7 @@ from kvserve.model.block_formats import (
     packed_shape,
 )
 from kvserve.model.kernels import CpuKernels, block_format
+from kvserve.model.linear.float import add_post_norm
 
 __all__ = [
     "FORMATS",
@@ -98,24 +100,37 @@ def _float_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 class BlockActivations:
     """The block product's input: activations in blocks of 32, 8 bits a value (llama.cpp's
-    Q8_0), or 12 with `fine`; made by the fused kernels of csrc/blocks_gemm.c."""
+    Q8_0), or 12 with `fine`; made by the fused kernels of csrc/blocks_gemm.c. `activation`
+    is the gate of `gated` ("silu" or "gelu_tanh")."""
 
-    __slots__ = ("kernels", "fine")
+    __slots__ = ("kernels", "fine", "activation")
 
-    def __init__(self, kernels: CpuKernels, fine: bool = False) -> None:
+    def __init__(self, kernels: CpuKernels, fine: bool = False, activation: str = "silu") -> None:
         self.kernels = kernels
         self.fine = fine
+        self.activation = activation
 
     def normed(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float
     ) -> ActivationBlocks:
         return self.kernels.blocks_add_rmsnorm(x, delta, weight, eps, fine=self.fine)
 
+    def add_normed(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> None:
+        """x += rmsnorm(delta) * weight for a float32 product (a post-norm)."""
+        add_post_norm(x, delta, weight, eps, torch.float32, self.kernels)
+
     def rows(self, t: torch.Tensor) -> ActivationBlocks:
         return self.kernels.blocks_quantize(t, self.fine)
 
     def gated(self, gate_up: torch.Tensor) -> ActivationBlocks:
-        return self.kernels.blocks_silu_mul(gate_up, self.fine)
+        if self.activation == "silu":
+            return self.kernels.blocks_silu_mul(gate_up, self.fine)
+        gate, up = gate_up.chunk(2, dim=-1)  # GeGLU: its gate in float32, then the blocks
+        return self.kernels.blocks_quantize(
+            F.gelu(gate, approximate="tanh").mul_(up).contiguous(), self.fine
+        )
 
 
 @dataclass(slots=True)
@@ -330,19 +345,8 @@ def unsupported(checkpoint, config, kernels: CpuKernels | None, device=None) -> 
         return "not on the CPU"
     if not hasattr(checkpoint, "raw_rows"):
         return "the checkpoint is not a GGUF file"
-    names = [
-        f"model.layers.{i}.{part}.weight"
-        for i in range(config.num_layers)
-        for part in (
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "self_attn.o_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-            "mlp.down_proj",
-        )
-    ]
+    parts = [n for names in checkpoint.family.projections().values() for n in names]
+    names = [f"model.layers.{i}.{part}.weight" for i in range(config.num_layers) for part in parts]
     names.append("model.embed_tokens.weight")
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")

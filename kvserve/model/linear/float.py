@@ -79,13 +79,17 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 class FloatFormat:
-    """Rows in the model dtype: the fused C layer ops where `kernels` has them, else torch."""
+    """Rows in the model dtype: the fused C layer ops where `kernels` has them, else torch.
+    `activation` is the gate of `gated` ("silu", or "gelu_tanh" for GeGLU)."""
 
-    __slots__ = ("dtype", "kernels")
+    __slots__ = ("dtype", "kernels", "activation")
 
-    def __init__(self, dtype: torch.dtype, kernels: CpuKernels | None) -> None:
+    def __init__(
+        self, dtype: torch.dtype, kernels: CpuKernels | None, activation: str = "silu"
+    ) -> None:
         self.dtype = dtype
         self.kernels = kernels if kernels is not None and kernels.has("layer_ops") else None
+        self.activation = activation
 
     def normed(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float
@@ -98,14 +102,39 @@ class FloatFormat:
             x.add_(delta)
         return F.rms_norm(x, (x.shape[-1],), weight, eps).to(self.dtype)
 
+    def add_normed(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> None:
+        add_post_norm(x, delta, weight, eps, self.dtype, self.kernels)
+
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and gate_up.device.type == "cpu" and gate_up.is_contiguous():
-            return self.kernels.silu_mul(gate_up)
+            return self.kernels.silu_mul(gate_up, self.activation)
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.activation == "gelu_tanh":
+            return F.gelu(gate, approximate="tanh") * up
         return F.silu(gate) * up
+
+
+def add_post_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    dtype: torch.dtype,
+    kernels: CpuKernels | None,
+) -> None:
+    """x += rmsnorm(delta) * weight, the normed rows cast to `dtype` first (as transformers
+    casts a post-norm's output to the activations' dtype). x: [rows, hidden] float32."""
+    delta = delta.float().contiguous()
+    if kernels is not None and delta.device.type == "cpu":
+        normed = kernels.add_rmsnorm(delta, None, weight, eps, dtype)
+    else:
+        normed = F.rms_norm(delta, (delta.shape[-1],), weight, eps).to(dtype)
+    x.add_(normed)
 
 
 class FloatLinear:

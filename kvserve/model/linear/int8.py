@@ -25,6 +25,15 @@ channels while leaving its function unchanged, all folded into the weights at lo
 - the input of down_proj, silu(gate) * up, is rotated at run time by Walsh-Hadamard blocks
   (in the kernel that quantizes it) and the rotation undone in down_proj's columns.
 
+Families with post-norms (Gemma 2/3: an RMSNorm on the attention and MLP outputs before they
+join the residual) cannot fold those norms into a product: their weight acts after the
+normalization of the product's own output. There o_proj and down_proj write the model's basis,
+and one kernel (add_post_norm_q8) normalizes their output, applies the norm weight and rotates
+the result into the residual basis as it adds it. For that rotation to be cheap per row, the
+residual rotation of these families is `structured_rotation`: random signs, then normalized
+Walsh-Hadamard blocks of the largest power of 2 dividing the width (the odd part unmixed).
+Gemma's (1 + w) norms arrive as their factors (kvserve/model/families/) and fold like any other.
+
 The lm_head is quantized the same way (in the rotated basis, the final norm folded in) to pick
 each row's 16 best candidates, which are then recomputed exactly in float32 from the float
 lm_head, as the unquantized path does after its bf16 product. Measured on the default model: perplexity on an
@@ -47,7 +56,7 @@ ROTATION_SEED = 0x6B76
 MAX_DOWN_BLOCK = 4096
 # Part of the key of prepared weights cached on disk (kvserve/model/weight_cache.py): bump it
 # whenever the prepared tensors change for the same checkpoint (rotation, rounding, packing).
-PREPARATION_VERSION = 2
+PREPARATION_VERSION = 3
 _WEIGHT_FIELDS = ("weight", "scale", "bias", "panels", "correction")
 
 
@@ -76,13 +85,25 @@ class Int8Format:
     """Per-row symmetric int8 rows with their scales, made by the quant_ops kernels. The
     residual stream is in the rotated basis and the norms' weights are folded into the
     products, so `normed` takes no weight. `down_block` is the Walsh-Hadamard block that
-    rotates the down product's input (`gated`)."""
+    rotates the down product's input (`gated`, whose gate is `activation`'s); `residual_signs`
+    and `residual_block` describe a structured residual rotation (`structured_rotation`), which
+    `add_normed` applies to the post-norms' outputs."""
 
-    __slots__ = ("kernels", "down_block")
+    __slots__ = ("kernels", "down_block", "activation", "residual_signs", "residual_block")
 
-    def __init__(self, kernels: CpuKernels, down_block: int) -> None:
+    def __init__(
+        self,
+        kernels: CpuKernels,
+        down_block: int,
+        activation: str = "silu",
+        residual_signs: torch.Tensor | None = None,
+        residual_block: int = 1,
+    ) -> None:
         self.kernels = kernels
         self.down_block = down_block
+        self.activation = activation
+        self.residual_signs = residual_signs  # [hidden] float32 of +-1
+        self.residual_block = residual_block
 
     def normed(
         self, x: torch.Tensor, delta: Int8Output | None, weight: torch.Tensor | None, eps: float
@@ -93,12 +114,33 @@ class Int8Format:
             return self.kernels.add_rmsnorm_q8(x, None, None, None, eps)
         return self.kernels.add_rmsnorm_q8(x, delta.acc, delta.row_scales, delta.col_scales, eps)
 
+    def add_normed(
+        self, x: torch.Tensor, delta: Int8Output, weight: torch.Tensor, eps: float
+    ) -> None:
+        """x += rmsnorm(delta) * weight, rotated into the residual basis (a post-norm)."""
+        if delta.bias is not None:
+            raise ValueError("a post-normed product has no bias here")
+        self.kernels.add_post_norm_q8(
+            x,
+            delta.acc,
+            delta.row_scales,
+            delta.col_scales,
+            weight,
+            eps,
+            self.residual_signs,
+            self.residual_block,
+        )
+
     def rows(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kernels.quantize_rows(t)
 
     def gated(self, gate_up: Int8Output) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kernels.silu_mul_q8(
-            gate_up.acc, gate_up.row_scales, gate_up.col_scales, self.down_block
+            gate_up.acc,
+            gate_up.row_scales,
+            gate_up.col_scales,
+            self.down_block,
+            activation=self.activation,
         )
 
 
@@ -279,6 +321,16 @@ def residual_rotation(hidden: int, seed: int = ROTATION_SEED) -> Rotation:
     return Rotation(tuple(factors), signs)
 
 
+def structured_rotation(hidden: int, seed: int = ROTATION_SEED) -> Rotation:
+    """diag(random signs) @ (normalized Hadamard blocks of `down_block(hidden)` columns): the
+    residual rotation of the families with post-norms, cheap to apply to one row at run time
+    (kernels.add_post_norm_q8: a sign flip and a Walsh-Hadamard transform per block)."""
+    generator = torch.Generator().manual_seed(seed)
+    block = down_block(hidden)
+    signs = (torch.randint(0, 2, (hidden,), generator=generator) * 2 - 1).float()
+    return Rotation((hidden // block, *_power_of_two_factors(block)), signs)
+
+
 def block_hadamard(n: int, block: int) -> Rotation:
     """Normalized Hadamard blocks of order `block` along the diagonal (identity when block is 1)."""
     return Rotation((n // block, *_power_of_two_factors(block)))
@@ -312,9 +364,13 @@ def rotate_layer(
     mlp_norm: torch.Tensor,
     residual: Rotation,
     down_block_size: int,
+    *,
+    writes_residual: bool = True,
 ) -> RotatedLayer:
     """One layer's weights (fused q|k|v and gate|up, HF layout) in the rotated basis (float32),
-    norms folded into the products that follow them."""
+    norms folded into the products that follow them. Without `writes_residual` (post-norm
+    families), o_proj and down_proj keep writing the model's basis: their output is normed
+    before it is rotated into the residual (Int8Format.add_normed)."""
     head_dim, q_size, kv_size = config.head_dim, config.q_size, config.kv_size
     intermediate = config.intermediate_size
     head_block = head_dim if head_dim & (head_dim - 1) == 0 else 1
@@ -330,8 +386,9 @@ def rotate_layer(
         bias[split:] = per_head.right(bias[None, split:])[0]
     # o_proj's columns undo each query head's rotation (H is symmetric, H H = I)
     o_weight = block_hadamard(q_size, head_block).right(o.float())
-    o_weight = residual.left_transposed(o_weight)
     gate_up = residual.right(gate_up.float() * mlp_norm[None, :])
     down = block_hadamard(intermediate, down_block_size).right(down.float())
-    down = residual.left_transposed(down)
+    if writes_residual:
+        o_weight = residual.left_transposed(o_weight)
+        down = residual.left_transposed(down)
     return RotatedLayer(qkv, bias, o_weight, gate_up, down)

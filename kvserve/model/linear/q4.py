@@ -27,6 +27,7 @@ from kvserve.model.kernels import Q4_BLOCK as BLOCK
 from kvserve.model.kernels import Q4_NIBBLE_BYTES as NIBBLE_BYTES
 from kvserve.model.kernels import Q4_PANEL as PANEL
 from kvserve.model.kernels import CpuKernels, check_q4_packed
+from kvserve.model.linear.float import add_post_norm
 
 # GGUF block sizes in bytes: Q4_0 = d (float16) + 16 bytes of nibbles; Q4_1 adds m (float16).
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
@@ -116,23 +117,31 @@ def pack(blocks: Blocks) -> torch.Tensor:
 
 
 class Q4Format:
-    """Activations in two-part int8 blocks of 32 (about 12 bits a value; csrc/q4_gemm.c)."""
+    """Activations in two-part int8 blocks of 32 (about 12 bits a value; csrc/q4_gemm.c).
+    `activation` is the gate of `gated` ("silu" or "gelu_tanh")."""
 
-    __slots__ = ("kernels",)
+    __slots__ = ("kernels", "activation")
 
-    def __init__(self, kernels: CpuKernels) -> None:
+    def __init__(self, kernels: CpuKernels, activation: str = "silu") -> None:
         self.kernels = kernels
+        self.activation = activation
 
     def normed(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.kernels.add_rmsnorm_qb(x, delta, weight, eps)
 
+    def add_normed(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> None:
+        """x += rmsnorm(delta) * weight for a float32 product (a post-norm)."""
+        add_post_norm(x, delta, weight, eps, torch.float32, self.kernels)
+
     def rows(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.kernels.quantize_blocks(t)
 
     def gated(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.kernels.silu_mul_qb(gate_up)
+        return self.kernels.silu_mul_qb(gate_up, self.activation)
 
 
 @dataclass(slots=True)
@@ -203,14 +212,6 @@ class Q4Linear:
         )
 
 
-PROJECTIONS = {
-    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "o": ("self_attn.o_proj",),
-    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-    "down": ("mlp.down_proj",),
-}
-
-
 def unsupported(
     checkpoint, config, kernels: CpuKernels | None, device: torch.device | None = None
 ) -> str | None:
@@ -231,8 +232,7 @@ def unsupported(
     types = {
         checkpoint.tensor_type(f"model.layers.{i}.{name}.weight")
         for i in range(config.num_layers)
-        for names in PROJECTIONS.values()
-        for name in names
+        for name in checkpoint.family.layer_tensors()
     }
     if not types <= FORMATS:
         return f"its layers' weights are {'/'.join(sorted(map(str, types)))}, not all Q4_0/Q4_1"
@@ -243,7 +243,13 @@ def unsupported(
 
 
 def load_projection(
-    checkpoint, prefix: str, names: tuple[str, ...], kernels: CpuKernels, *, bias: bool = False
+    checkpoint,
+    prefix: str,
+    names: tuple[str, ...],
+    kernels: CpuKernels,
+    *,
+    bias: bool = False,
+    input: Q4Format | None = None,
 ) -> Q4Linear:
     """The fused product of `names` (e.g. q, k, v) of a layer, its blocks packed."""
     parts = [
@@ -256,7 +262,9 @@ def load_projection(
     biases = None
     if bias:
         biases = torch.cat([require_float(checkpoint, f"{prefix}{n}.bias") for n in names])
-    return Q4Linear.from_blocks(fuse(parts), biases, input=Q4Format(kernels), kernels=kernels)
+    return Q4Linear.from_blocks(
+        fuse(parts), biases, input=input or Q4Format(kernels), kernels=kernels
+    )
 
 
 def require_float(checkpoint, name: str) -> torch.Tensor:
