@@ -8,17 +8,15 @@ import pytest
 
 from kvserve.engine.stream import TokenLogprob, Usage
 from kvserve.request import InvalidRequest, QueueFull, QueueTimeout
-from kvserve.server.protocol import (
+from kvserve.server.dialects.openai import (
     DEFAULT_COMPLETION_MAX_TOKENS,
-    APIError,
     ChatCompletionRequest,
-    ChatRenderer,
-    CompletionRenderer,
     CompletionRequest,
-    parse_request,
-    refused_fields,
     sampling_params,
 )
+from kvserve.server.dialects.openai_chat import ChatRenderer
+from kvserve.server.dialects.openai_completions import CompletionRenderer
+from kvserve.server.protocol import APIError, parse_request, refused_fields
 
 VOCAB = 1000
 MESSAGES = [{"role": "user", "content": "hi"}]
