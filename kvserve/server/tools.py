@@ -39,6 +39,7 @@ from kvserve.server.protocol import APIError
 __all__ = [
     "FALLBACK_TOOL_PROMPT",
     "TOOL_CALL_PARSERS",
+    "TOOL_NAME",
     "HermesToolParser",
     "ToolCall",
     "ToolPlan",
@@ -47,7 +48,8 @@ __all__ = [
     "tool_prompt",
 ]
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+"""A function tool's name, as OpenAI and Anthropic allow it."""
 
 FALLBACK_TOOL_PROMPT = (
     "You may call one or more functions to assist with the user query.\n\n"
@@ -141,7 +143,7 @@ def _validate_tools(tools: Any, param: str) -> tuple[Mapping[str, Any], ...]:
         if not isinstance(function, Mapping):
             raise APIError(400, f"'{where}.function' must be an object", param=f"{where}.function")
         name = function.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
             raise APIError(
                 400,
                 f"'{where}.function.name' must be 1-64 letters, digits, '_' or '-'",
