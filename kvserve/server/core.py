@@ -127,7 +127,8 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.model_name: str | None = config.served_model_name
         self.created = int(time.time())
-        self.error_shapes: dict[str, ErrorShape] = {}
+        self.error_shapes: dict[str, ErrorShape] = {}  # by path
+        self.error_prefixes: dict[str, ErrorShape] = {}  # by path prefix, where none is exact
         self._engine_factory = engine_factory
         self._on_ready = on_ready
         self._on_load_error = on_load_error
@@ -195,7 +196,8 @@ class ServerState:
         return self.engine
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        """404 unless `name` is the served model (or, as Ollama tags names, `<it>:latest`)."""
+        if name is not None and name != self.model_name and name != f"{self.model_name}:latest":
             raise APIError(
                 404,
                 f"the model '{name}' does not exist; this server serves '{self.model_name}'",
@@ -231,6 +233,10 @@ class ServerState:
     def error_body(self, path: str, error: APIError) -> dict[str, Any]:
         """The error body in the dialect that serves `path` (OpenAI's elsewhere)."""
         shape = self.error_shapes.get(path)
+        if shape is None:
+            shape = next(
+                (s for prefix, s in self.error_prefixes.items() if path.startswith(prefix)), None
+            )
         return shape(error) if shape is not None else error.body()
 
     # -- generation ----------------------------------------------------------------------------

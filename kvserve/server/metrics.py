@@ -205,12 +205,13 @@ class ServerMetrics(EngineObserver):
 
     def observe_http(self, endpoint: str, status: int, *, client_gone: bool = True) -> None:
         """Count one answered request; 499 is counted as such (and, unless `client_gone` is
-        False, as a client_gone rejection), never as a server error."""
+        False, as a client_gone rejection), never as a server error. 501 (a route this server
+        does not implement, such as pulling a model) is no server error either."""
         self.http_requests.labels(endpoint, str(status)).inc()
         if status == 499:
             if client_gone:
                 self.rejections.labels("client_gone").inc()
-        elif status >= 500:
+        elif status >= 500 and status != 501:
             self.http_server_errors.labels(endpoint).inc()
 
     def observe_ignored_fields(self, names: Iterable[str]) -> None:

@@ -197,6 +197,7 @@ _ERROR_DESCRIPTIONS = {
     404: "Unknown model",
     413: "Body larger than the limit",
     429: "Overloaded (queue full, or waited too long); see Retry-After",
+    501: "Not implemented by this server (pulling a model: there is no catalogue)",
     503: "The model is still loading, failed to load, or the server is stopping",
 }
 
@@ -266,6 +267,55 @@ class ResponseEvent(_Open):
 
     type: str
     sequence_number: int
+
+
+class OllamaError(BaseModel):
+    """Ollama's error body."""
+
+    error: str
+
+
+class OllamaVersion(_Open):
+    version: str
+
+
+class OllamaChat(_Open):
+    """`POST /api/chat` with `"stream": false`; streamed, NDJSON objects of this shape."""
+
+    model: str
+    created_at: str
+    message: dict[str, Any]
+    done: bool
+
+
+class OllamaGenerate(_Open):
+    """`POST /api/generate` with `"stream": false`; streamed, NDJSON objects of this shape."""
+
+    model: str
+    created_at: str
+    response: str
+    done: bool
+
+
+class OllamaModels(BaseModel):
+    """`GET /api/tags` and `GET /api/ps`."""
+
+    models: list[dict[str, Any]]
+
+
+class OllamaShow(_Open):
+    """`POST /api/show`."""
+
+    template: str
+    details: dict[str, Any]
+    model_info: dict[str, Any]
+    capabilities: list[str]
+
+
+class OllamaStatus(_Open):
+    """A status object (`POST /api/pull` streams them)."""
+
+    status: str
 
 
 def json_response(model: type[BaseModel], description: str = "OK") -> dict[str, Any]:

@@ -281,11 +281,14 @@ class RawClient:
         for line in header_lines:
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
+        self._ndjson = headers.get("content-type", "").startswith("application/x-ndjson")
         return int(status_line.split()[1]), headers
 
     def read_events(self, count: int) -> bytes:
-        """Read until `count` SSE events have arrived; returns everything after the head."""
-        while self._buffer.count(b"data: ") < count:
+        """Read until `count` SSE events (or, for an NDJSON answer, objects) have arrived;
+        returns everything after the head."""
+        marker = b'"done":' if getattr(self, "_ndjson", False) else b"data: "
+        while self._buffer.count(marker) < count:
             chunk = self.sock.recv(4096)
             if not chunk:
                 raise ConnectionError(f"closed before {count} events")
