@@ -16,6 +16,7 @@ from kvserve.config import (
     QUANTIZATIONS,
     CacheConfig,
     DeviceConfig,
+    EmbeddingConfig,
     EngineConfig,
     QueueConfig,
     SchedulerConfig,
@@ -157,6 +158,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         help="undelivered steps before a client is dropped as a slow consumer",
     )
     g.add_argument("--seed", type=int, default=e("--seed", 0, int))
+    g = parser.add_argument_group("embeddings")
+    g.add_argument(
+        "--pooling",
+        choices=("last", "mean"),
+        default=e("--pooling", "last"),
+        help="how a decoder model's embeddings pool its tokens' final states: last (the last "
+        "token's, as decoder-based embedders do) | mean; an encoder model's own config says",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -189,6 +198,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_overtakes=args.max_overtakes,
         ),
         stream=StreamConfig(buffer_steps=args.stream_buffer),
+        embedding=EmbeddingConfig(pooling=args.pooling),
         seed=args.seed,
     )
 

@@ -7,6 +7,7 @@ q/k rows permuted for interleaved rotation, are un-permuted by the loader.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -386,6 +387,21 @@ class LlamaModel:
 
         x = F.rms_norm(x[meta.logits_indices], (hidden,), self.norm, eps)
         return self.logits(x)
+
+    def hidden_states(
+        self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """The final norm's output of every row: [rows, hidden] float32 (what embeddings
+        pool). `forward` on every path, with its last step swapped: where the logits would be
+        computed, the normalized rows are returned. `meta.logits_indices` is set to all rows."""
+        eps, hidden = self.config.rms_norm_eps, (self.config.hidden_size,)
+        headless = copy.copy(self)  # shares every weight; only the two head steps differ
+        headless.logits = lambda x: x  # x: [rows, hidden], already normalized
+        headless._quantized_logits = lambda x, head, unrotated: F.rms_norm(
+            unrotated, hidden, self.norm, eps
+        )
+        meta.logits_indices = torch.arange(token_ids.shape[0], device=self.device)
+        return headless.forward(token_ids, meta, kv_cache)
 
     def _forward_fused(
         self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
