@@ -5,6 +5,7 @@ middleware, and the probes.
     POST /v1/messages   POST /v1/messages/count_tokens
     POST /api/chat   POST /api/generate   GET /api/tags   POST /api/show   GET /api/ps
     GET /api/version   POST /api/pull   GET / (Ollama's)
+    POST /v1/embeddings   POST /api/embed   POST /api/embeddings
     POST /tokenize   POST /detokenize   GET /health   GET /ready   GET /metrics
     GET /v1/engine/events   GET /dashboard
 
@@ -36,6 +37,7 @@ from kvserve.server import dashboard, schemas
 from kvserve.server.core import EngineFactory, Exchange, ServerState, json_response
 from kvserve.server.dialects import (
     anthropic_messages,
+    embeddings,
     ollama,
     openai_chat,
     openai_completions,
@@ -60,6 +62,7 @@ _DIALECTS = (
     openai_responses,
     anthropic_messages,
     ollama,
+    embeddings,
     tokenize,
 )
 
@@ -112,6 +115,7 @@ def create_app(
     )
     app.state.kvserve = state
     app.state.engine_events = events
+    state.metrics.embedding_endpoints = frozenset(embeddings.PATHS)
 
     def error_response(request: Request, error: APIError) -> Response:
         body = state.error_body(request.url.path, error)

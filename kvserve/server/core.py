@@ -219,14 +219,28 @@ class ServerState:
         self.metrics.observe_ignored_fields(ignored)
 
     async def accept(
-        self, request: Request, model: type[ModelT], policy: FieldPolicy = refused_fields
+        self,
+        request: Request,
+        model: type[ModelT],
+        policy: FieldPolicy = refused_fields,
+        *,
+        generates: bool = True,
     ) -> tuple[Exchange, Engine, ModelT]:
         """The common start of every API handler: a loaded engine, a valid body for a served
-        model, its harmless unknown fields recorded."""
+        model, its harmless unknown fields recorded. A route that `generates` refuses (400) a
+        model that only embeds."""
         exchange = exchange_of(request)
         engine = self.require_engine()
         body = parse_request(model, await request.body())
         self.check_model(getattr(body, "model", None))
+        if generates and not engine.generates:
+            raise APIError(
+                400,
+                f"'{self.model_name}' is an embedding model and generates no text; "
+                "send it to /v1/embeddings or /api/embed",
+                param="model",
+                code="embedding_model",
+            )
         self.accept_extras(body, exchange, policy)
         return exchange, engine, body
 

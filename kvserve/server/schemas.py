@@ -312,6 +312,39 @@ class OllamaShow(_Open):
     capabilities: list[str]
 
 
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    embedding: list[float] | str  # a base64 string with encoding_format "base64"
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    """`POST /v1/embeddings`."""
+
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class OllamaEmbed(_Open):
+    """`POST /api/embed`."""
+
+    model: str
+    embeddings: list[list[float]]
+
+
+class OllamaEmbedding(BaseModel):
+    """`POST /api/embeddings`."""
+
+    embedding: list[float]
+
+
 class OllamaStatus(_Open):
     """A status object (`POST /api/pull` streams them)."""
 

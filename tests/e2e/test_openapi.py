@@ -94,6 +94,9 @@ ROUTES = [
     ("GET", "/api/ps"),
     ("GET", "/api/version"),
     ("POST", "/api/pull"),
+    ("POST", "/v1/embeddings"),
+    ("POST", "/api/embed"),
+    ("POST", "/api/embeddings"),
 ]
 
 

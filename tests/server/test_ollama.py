@@ -199,3 +199,29 @@ def test_details_name_the_quantization_as_ollama_does():
 
 def test_timestamps_are_rfc3339_utc():
     assert created_at(0.0) == "1970-01-01T00:00:00.000000Z"
+
+
+def test_logprobs_when_asked_for():
+    from kvserve.engine.stream import TokenLogprob
+
+    table = {1: b"He", 2: b"llo", 3: b"\xe2\x82"}
+    entry = TokenLogprob(1, -0.5, ((1, -0.5), (3, float("-inf"))))
+    deltas = [Delta(text="He", logprobs=(entry,)), Delta(finish_reason="stop", usage=Usage(1, 1))]
+    whole, lines = _play(
+        lambda: ollama_rendering("m", chat=True, token_bytes=table.__getitem__, logprobs=True),
+        deltas,
+        TIMING,
+    )
+    expected = [
+        {
+            "token": "He",
+            "logprob": -0.5,
+            "top_logprobs": [
+                {"token": "He", "logprob": -0.5},
+                {"token": "\ufffd", "logprob": -9999.0},  # JSON has no -Infinity
+            ],
+        }
+    ]
+    assert whole["logprobs"] == expected and lines[0]["logprobs"] == expected
+    plain = ollama_rendering("m", chat=True, token_bytes=table.__getitem__)
+    assert "logprobs" not in json.loads(plain.frames(deltas[0]))

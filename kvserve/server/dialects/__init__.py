@@ -7,6 +7,7 @@ renderer, over the one generation core (`kvserve.server.core`).
     anthropic_messages   POST /v1/messages, POST /v1/messages/count_tokens
     ollama               POST /api/chat, /api/generate, /api/show, /api/pull; GET /api/tags,
                          /api/ps, /api/version, / (Ollama's native API)
+    embeddings           POST /v1/embeddings, POST /api/embed, POST /api/embeddings
     tokenize             POST /tokenize, POST /detokenize (vLLM's)
 
 `openai` holds what the two OpenAI dialects share (request models, sampling parameters);

@@ -3,6 +3,8 @@
     POST /api/chat   POST /api/generate   GET /api/tags   POST /api/show   GET /api/ps
     GET /api/version   POST /api/pull   GET / and HEAD / ("Ollama is running")
 
+(`POST /api/embed` and `POST /api/embeddings` are in `kvserve.server.dialects.embeddings`.)
+
 Requests take Ollama's field names and defaults: `stream` is true unless false; `options`
 carries the sampling knobs with Ollama's defaults (temperature 0.8, top_k 40, top_p 0.9,
 repeat_penalty 1.1; `num_predict` -1: the rest of the context); `num_ctx` caps the request's
@@ -669,6 +671,8 @@ def model_entry(state: ServerState, engine: Any) -> dict[str, Any]:
 
 
 def _capabilities(engine: Any) -> list[str]:
+    if not engine.generates:
+        return ["embedding"]
     # Every chat template is offered tools: natively, or through the fallback prompt.
     return ["completion", "tools"]
 
@@ -770,7 +774,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/api/show", responses={200: schemas.json_response(schemas.OllamaShow), **errors})
     async def show(request: Request) -> Response:
-        _, engine, body = await state.accept(request, ShowRequest, _refused)
+        _, engine, body = await state.accept(request, ShowRequest, _refused, generates=False)
         name = body.model or body.name
         if not name:
             raise APIError(400, "'model' is a required field", param="model")
