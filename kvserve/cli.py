@@ -17,6 +17,7 @@ from kvserve.config import (
     QUANTIZATIONS,
     CacheConfig,
     DeviceConfig,
+    EmbeddingConfig,
     EngineConfig,
     QueueConfig,
     SchedulerConfig,
@@ -180,6 +181,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         "itself (as vLLM's flag); tool calls are then read in the syntax it teaches",
     )
 
+    g = parser.add_argument_group("embeddings")
+    g.add_argument(
+        "--pooling",
+        choices=("last", "mean"),
+        default=e("--pooling", "last"),
+        help="how a decoder model's embeddings pool its tokens' final states: last (the last "
+        "token's, as decoder-based embedders do) | mean; an encoder model's own config says",
+    )
+
 
 def chat_template_text(value: str | None) -> str | None:
     """`--chat-template`'s template: the file it names, or the value itself when it is no
@@ -247,6 +257,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_overtakes=args.max_overtakes,
         ),
         stream=StreamConfig(buffer_steps=args.stream_buffer),
+        embedding=EmbeddingConfig(pooling=args.pooling),
         seed=args.seed,
         chat_template=chat_template_text(args.chat_template),
     )

@@ -144,6 +144,17 @@ class StreamConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EmbeddingConfig:
+    """How a decoder's hidden states become an embedding (an encoder says so itself)."""
+
+    pooling: str = "last"  # "last" (the last token's state) | "mean" (the average)
+
+    def __post_init__(self) -> None:
+        if self.pooling not in ("last", "mean"):
+            raise ValueError(f"unknown pooling {self.pooling!r} (use last or mean)")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs, grouped."""
 
@@ -153,6 +164,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     queue: QueueConfig = QueueConfig()
     stream: StreamConfig = StreamConfig()
+    embedding: EmbeddingConfig = EmbeddingConfig()
     seed: int = 0
     # The Jinja chat template to use in place of the model's own (its text); None keeps it.
     chat_template: str | None = None

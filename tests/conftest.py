@@ -158,3 +158,20 @@ def hf_reference(model_path):
     )
     model.eval()
     return model
+
+
+@pytest.fixture(scope="session")
+def minilm_dir():
+    """The all-MiniLM-L6-v2 sentence embedder from its wheel, unzipped in kvserve's cache."""
+    from kvserve.model.paths import minilm_model_dir
+
+    return minilm_model_dir()
+
+
+@pytest.fixture(scope="session")
+def loaded_minilm(minilm_dir):
+    """MiniLM loaded as `kvserve serve <its directory>` loads it (float32 on the CPU), once."""
+    from kvserve.config import DeviceConfig
+    from kvserve.engine.embedding import load_encoder_model
+
+    return load_encoder_model(str(minilm_dir), DeviceConfig(device="cpu"))

@@ -58,6 +58,7 @@ from kvserve.core import (
 )
 from kvserve.core.scheduler import admit_or_enqueue, admit_waiting
 from kvserve.engine.batch import Batch, Sampled, StepOutput
+from kvserve.engine.embedding import Embedder, EmbeddingJob, EmbeddingObserver, decoder_embedder
 from kvserve.engine.sampler import RowState, Sampler, make_generator
 from kvserve.engine.stream import Delta, Stream, TokenLogprob, Usage
 from kvserve.engine.structured import GrammarError, GrammarState, StructuredOutputManager
@@ -78,8 +79,9 @@ from kvserve.request import (
 log = logging.getLogger("kvserve.engine")
 
 
-class EngineObserver:
-    """Hooks for metrics and logs; every method is a no-op here. Called on the loop thread."""
+class EngineObserver(EmbeddingObserver):
+    """Hooks for metrics and logs (embeddings' too); every method is a no-op here. Called on
+    the loop thread."""
 
     def on_admitted(self, state: RequestState) -> None: ...
 
@@ -119,6 +121,18 @@ class Observers(EngineObserver):
     def on_step(self, plan: StepPlan, seconds: float) -> None:
         for observer in self.observers:
             observer.on_step(plan, seconds)
+
+    def on_embedding_finished(self, job: EmbeddingJob) -> None:
+        for observer in self.observers:
+            observer.on_embedding_finished(job)
+
+    def on_embedding_rejected(self, reason: str) -> None:
+        for observer in self.observers:
+            observer.on_embedding_rejected(reason)
+
+    def on_embedding_batch(self, num_inputs: int, num_tokens: int, seconds: float) -> None:
+        for observer in self.observers:
+            observer.on_embedding_batch(num_inputs, num_tokens, seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +259,10 @@ class _WakingSignal(CapacitySignal):
 
 
 class Engine:
-    """Continuous batching over a shared paged KV pool. Create, `await start()`, then `submit`."""
+    """Continuous batching over a shared paged KV pool. Create, `await start()`, then `submit`.
+    Its model also embeds: `embedder` (kvserve/engine/embedding.py), once started."""
+
+    generates = True
 
     def __init__(
         self,
@@ -311,6 +328,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self.num_steps = 0
+        self.embedder: Embedder | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -327,6 +345,8 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self.structured.warm()
         self._task = asyncio.create_task(self._run(), name="kvserve-engine")
+        self.embedder = decoder_embedder(self)
+        await self.embedder.start()
 
     async def stop(self) -> None:
         """End every request (finish reason "shutdown"), let the step in flight land, stop."""
@@ -335,6 +355,8 @@ class Engine:
         self._stopping = True
         self._wake.set()
         try:
+            if self.embedder is not None:
+                await self.embedder.stop()
             await self._task
         finally:
             self._task = None

@@ -753,6 +753,20 @@ class LlamaModel:
     def forward(self, token_ids: torch.Tensor, meta, kv_cache: KVCache) -> torch.Tensor:
         """Run one step. token_ids: [rows] long; `meta` from `self.attention.build_metadata`.
         Returns float32 logits `[len(meta.logits_indices), vocab]` for the rows that sample."""
+        x = self._residual(token_ids, meta, kv_cache)
+        return self.head.logits(x[meta.logits_indices])
+
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: torch.Tensor, meta, kv_cache: KVCache) -> torch.Tensor:
+        """The final norm's output of every row, in the model's basis: [rows, hidden] float32
+        (what embeddings pool). The same step as `forward`, without the head."""
+        x = self._residual(token_ids, meta, kv_cache)
+        if self.rotation is not None:  # back from the basis the int8 products read
+            x = self.kernels.rotate_rows(x, self.rotation.t().contiguous())
+        return F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+
+    def _residual(self, token_ids: torch.Tensor, meta, kv_cache: KVCache) -> torch.Tensor:
+        """The residual rows after the last layer: [rows, hidden] float32."""
         self.attention.check_step(meta, kv_cache, token_ids.shape[0])
         x = self.embed_rows(token_ids)  # [rows, hidden] residual, fp32
         if self.rotation is not None:  # into the basis the int8 products read
@@ -762,7 +776,7 @@ class LlamaModel:
             self.driver.run(x, DriverStep(meta, rope.cos_half, rope.sin_half), kv_cache, self.dtype)
         else:
             self.run_layers(x, meta, kv_cache)
-        return self.head.logits(x[meta.logits_indices])
+        return x
 
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The embedded rows of token_ids ([rows] int64) as float32 [rows, hidden]."""

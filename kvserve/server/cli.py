@@ -1,4 +1,5 @@
-"""`kvserve serve [MODEL]`: the OpenAI-compatible server on uvicorn.
+"""`kvserve serve [MODEL]`: the HTTP server (OpenAI's, Anthropic's and Ollama's APIs) on
+uvicorn. An encoder directory (a BERT-family sentence embedder) is served for embeddings only.
 
 Every flag is also an environment variable `KVSERVE_<NAME>` (`--api-key` is `KVSERVE_API_KEY`).
 The engine flags are the ones every engine command shares (`kvserve.cli.add_engine_arguments`);
@@ -86,6 +87,19 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 def banner(engine: Engine, model_name: str, url: str, server_config: ServerConfig) -> str:
     """The start-up lines: the model, the KV pool arithmetic, limits, and where to connect."""
     config = engine.config
+    if not engine.generates:
+        slots = config.scheduler.max_num_seqs
+        return "\n".join(
+            [
+                f"kvserve: serving '{model_name}' for embeddings (it generates no text)",
+                f"  model: {engine.loaded.summary()}",
+                f"  queue: {slots * (1 + config.queue.max_queue_per_slot)} requests, wait "
+                f"budget {config.queue.queue_timeout:g} s, "
+                f"{config.scheduler.max_num_batched_tokens} tokens per forward pass",
+                f"  API key: {'required' if server_config.api_key else 'not required'}",
+                f"  listening on {url}  (OpenAI base URL: {url}/v1; Ollama host: {url})",
+            ]
+        )
     pool = engine.pool_size
     slots = config.scheduler.max_num_seqs
     return "\n".join(
@@ -101,7 +115,7 @@ def banner(engine: Engine, model_name: str, url: str, server_config: ServerConfi
             f"({slots * config.queue.max_queue_per_slot} waiters), wait budget "
             f"{config.queue.queue_timeout:g} s, max model len {engine.max_model_len}",
             f"  API key: {'required' if server_config.api_key else 'not required'}",
-            f"  listening on {url}  (OpenAI base URL: {url}/v1)",
+            f"  listening on {url}  (OpenAI base URL: {url}/v1; Ollama host: {url})",
         ]
     )
 
@@ -152,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
-    from kvserve.engine.engine import Engine
+    from kvserve.engine.embedding import build_engine
     from kvserve.server.app import Server, create_app
 
     failed: list[BaseException] = []
@@ -176,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
     app = create_app(
         server_config,
-        lambda observer: Engine(engine_config, observer=observer),
+        lambda observer: build_engine(engine_config, observer),
         on_ready=on_ready,
         on_load_error=on_load_error,
     )

@@ -40,6 +40,7 @@ from kvserve.server.protocol import APIError
 __all__ = [
     "FALLBACK_TOOL_PROMPT",
     "TOOL_CALL_PARSERS",
+    "TOOL_NAME",
     "HermesToolParser",
     "Llama3JsonToolParser",
     "MistralToolParser",
@@ -53,7 +54,8 @@ __all__ = [
     "tool_prompt",
 ]
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+"""A function tool's name, as OpenAI and Anthropic allow it."""
 
 FALLBACK_TOOL_PROMPT = (
     "You may call one or more functions to assist with the user query.\n\n"
@@ -159,7 +161,7 @@ def _validate_tools(tools: Any, param: str) -> tuple[Mapping[str, Any], ...]:
         if not isinstance(function, Mapping):
             raise APIError(400, f"'{where}.function' must be an object", param=f"{where}.function")
         name = function.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
             raise APIError(
                 400,
                 f"'{where}.function.name' must be 1-64 letters, digits, '_' or '-'",
@@ -769,7 +771,7 @@ class MistralToolParser(HermesToolParser):
             head = body[start:]
             name = head.split("[", 1)[0]
             tail = head[len(name) :]
-            waiting = (_NAME.match(name) is not None or name == "") and (
+            waiting = (TOOL_NAME.match(name) is not None or name == "") and (
                 tail == ""
                 or self.args.startswith(tail)
                 or self.call_id_tag.startswith(tail)
@@ -787,7 +789,7 @@ class MistralToolParser(HermesToolParser):
         if end is None:
             return None if not final else self._not_a_call(out, len(body))
         call = None
-        if end > 0 and _NAME.match(name):
+        if end > 0 and TOOL_NAME.match(name):
             try:
                 arguments = json.loads(body[opening:end])
             except json.JSONDecodeError:

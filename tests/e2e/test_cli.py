@@ -292,3 +292,33 @@ def test_serve_starts_warns_once_and_answers_with_an_unwritable_kernel_cache(tmp
     warnings = [line for line in stderr_lines if "cannot be written" in line]
     assert len(warnings) == 1, "".join(stderr_lines)
     assert str(blocker / "cache" / "kernels") in warnings[0]
+
+
+def test_serve_an_embedding_model_directory(minilm_dir):
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVSERVE_DEVICE": "cpu"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvserve", "serve", str(minilm_dir), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        stdout = _Lines(process.stdout)
+        stdout.wait_for("listening on", timeout=240)
+        banner = "".join(stdout.lines)
+        assert "for embeddings (it generates no text)" in banner
+        assert "384 dimensions, mean pooling, normalized, inputs up to 256 tokens" in banner
+        url = f"http://127.0.0.1:{port}"
+        answer = httpx.post(url + "/v1/embeddings", json={"input": ["a", "b"]}, timeout=60)
+        assert answer.status_code == 200 and len(answer.json()["data"]) == 2
+        chat = {"messages": [{"role": "user", "content": "Hi"}]}
+        refused = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+        assert refused.status_code == 400 and "embedding model" in refused.text
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
