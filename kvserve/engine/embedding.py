@@ -393,8 +393,6 @@ class DecoderEmbeddings:
         return self._cache
 
     def __call__(self, inputs: list[Sequence[int]]) -> torch.Tensor:
-        from kvserve.model.attention import build_metadata
-
         chunks = []
         next_block = 0
         for ids in inputs:
@@ -404,7 +402,7 @@ class DecoderEmbeddings:
         cache = self._cache_for(next_block)
         device = self.model.device
         token_ids = torch.tensor([t for ids in inputs for t in ids], dtype=torch.long)
-        meta = build_metadata(chunks, self.block_size, device, native=self.model.native)
+        meta = self.model.attention.build_metadata(chunks, self.block_size)
         hidden = self.model.hidden_states(token_ids.to(device), meta, cache)  # [rows, hidden]
         lengths = torch.tensor([len(ids) for ids in inputs])
         if self.pooling == "last":

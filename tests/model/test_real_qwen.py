@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 from tests.engine.helpers import make_config
 from tests.model.helpers import Chunk, reference_greedy
@@ -64,7 +63,7 @@ def test_logits_match_transformers_at_every_position(qwen05_fp32, qwen05_referen
     assert len(ids) > 32  # more than one KV block
     model = qwen05_fp32.model
     cache = KVCache(model.config, 4, 32, torch.float32, torch.device("cpu"))
-    meta = build_metadata([Chunk(0, len(ids), [3, 0], True)], 32, torch.device("cpu"))
+    meta = model.attention.build_metadata([Chunk(0, len(ids), [3, 0], True)], 32)
     meta.logits_indices = torch.arange(len(ids))  # every position, not only the last
     ours = model.forward(torch.tensor(ids), meta, cache)
     with torch.no_grad():
@@ -85,7 +84,7 @@ def batched_greedy(model, prompts: list[list[int]], num_tokens: int) -> list[lis
     cache = KVCache(model.config, start, 32, model.dtype, device)
     chunks = [Chunk(0, len(ids), table, True) for ids, table in zip(prompts, tables, strict=True)]
     flat = torch.tensor([t for ids in prompts for t in ids], device=device)
-    logits = model.forward(flat, build_metadata(chunks, 32, device), cache)
+    logits = model.forward(flat, model.attention.build_metadata(chunks, 32), cache)
     out = [[int(row.argmax())] for row in logits]  # logits: [sequences, vocab]
     while len(out[0]) < num_tokens:
         chunks = [
@@ -93,7 +92,7 @@ def batched_greedy(model, prompts: list[list[int]], num_tokens: int) -> list[lis
             for ids, tokens, table in zip(prompts, out, tables, strict=True)
         ]
         last = torch.tensor([tokens[-1] for tokens in out], device=device)
-        logits = model.forward(last, build_metadata(chunks, 32, device), cache)
+        logits = model.forward(last, model.attention.build_metadata(chunks, 32), cache)
         for tokens, row in zip(out, logits, strict=True):
             tokens.append(int(row.argmax()))
     return out

@@ -11,9 +11,9 @@ import random
 
 import pytest
 
-from kvserve.engine.stream import Usage
+from kvserve.engine.stream import Delta, Usage
 from kvserve.server.dialects.function_tools import CallEnd, CallReader, CallStart
-from kvserve.server.dialects.openai_chat import ToolChatRenderer
+from kvserve.server.dialects.openai_chat import chat_rendering
 from kvserve.server.tools import (
     TOOL_CALL_PARSERS,
     HermesToolParser,
@@ -249,7 +249,7 @@ def test_forced_answers_read_the_same_with_or_without_the_marker(parser_name, ch
 
 
 def chat_renderer(plan):
-    return ToolChatRenderer("chatcmpl-1", "m", 0, lambda t: b"", logprobs=False, plan=plan)
+    return chat_rendering("chatcmpl-1", "m", lambda t: b"", plan=plan)
 
 
 def streamed_calls(chunks):
@@ -279,16 +279,23 @@ def test_chat_responses_carry_the_calls(parser_name, choice):
     text = example_answer(parser_name, calls, marker=choice == "auto")
     finish = "stop" if choice == "named" else "tool_calls"
 
+    final = Delta(finish_reason="stop", usage=Usage(1, 2))
     streaming = chat_renderer(plan)
-    chunks = []
+    frames = streaming.head()
     for start in range(0, len(text), 4):
-        chunks += streaming.delta_chunks(text[start : start + 4], (), None)
-    chunks += streaming.delta_chunks("", (), "stop")
+        frames += streaming.frames(Delta(text=text[start : start + 4], token_ids=(1,)))
+    frames += streaming.tail(final)
+    chunks = [
+        frame.removeprefix("data: ")
+        for frame in frames.split("\n\n")
+        if frame.startswith("data: {")
+    ]
     assert streamed_calls(chunks) == ("", calls, finish)
 
     whole = chat_renderer(plan)
-    whole.add(text, ())
-    body = whole.response("stop", Usage(1, 2))
+    whole.add(Delta(text=text, token_ids=(1,)))
+    whole.add(final)
+    body = whole.response(final)
     message = body["choices"][0]["message"]
     assert message["content"] is None
     assert [

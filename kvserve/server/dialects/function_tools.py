@@ -249,7 +249,7 @@ class CallReader:
         self.called = True
         self._in_text = False
         return [
-            CallStart(call.id, call.name),
+            CallStart(call.id, call.name, named=self._choice == "named"),
             CallArguments(call.arguments),
             CallEnd(call.arguments),
         ]
