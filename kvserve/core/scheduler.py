@@ -508,7 +508,8 @@ class Scheduler:
     ) -> list[Sequence]:
         """Record that `plan` ran and landed: advance each sequence's computed positions,
         append the tokens sampled for it (`sampled`: sequence id -> token id; None counts
-        samples without ids), fork the followers of a leader whose prompt is done, publish
+        samples without ids; a sequence missing from it had its token dropped by the caller,
+        which ends it), fork the followers of a leader whose prompt is done, publish
         every block the step completed, and run the one stop check on each new token
         (`stopped`: the sequences whose stop string or grammar ended with it).
 
@@ -542,6 +543,8 @@ class Scheduler:
                 target.num_output += 1
                 if token is not None:
                     target.output_token_ids.append(token)
+                elif sampled is not None:
+                    continue  # its token was dropped (the request ends at this boundary)
                 status = target.stop_status(token, seq_id in stopped)
                 if status is not None:
                     target.status = status

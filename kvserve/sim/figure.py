@@ -126,7 +126,13 @@ def write_png(path: str | Path, results: Sequence[SimulationResult], dpi: int = 
     figure.suptitle(
         f"{len(workload.requests)} requests, {workload.num_slots} slots, "
         f"{workload.num_blocks} KV blocks of {workload.block_size} positions, prefill chunk "
-        f"{workload.prefill_chunk}, at most {workload.max_num_batched_tokens} rows per step\n"
+        f"{workload.prefill_chunk}, at most {workload.max_num_batched_tokens} rows per step"
+        + (
+            f", {workload.reserve_tokens} answer positions reserved by partial reservation"
+            if any(result.scenario.admission == "partial" for result in results)
+            else ""
+        )
+        + "\n"
         "left: KV blocks each request holds at every step (dashed: the whole pool); right: "
         "each request from arrival (grey: waiting, pale: prompt, solid: answer; in steps)",
         fontsize=10.5,
