@@ -175,6 +175,7 @@ class Answer:
     detokenizer: object
     generator: torch.Generator | None
     grammar: GrammarState | None = None  # structured output; dropped on release
+    ended: bool = False  # its last delta (with its finish reason) was handed out
 
     @property
     def index(self) -> int:
@@ -802,8 +803,10 @@ class Engine:
             self._drop_slow_consumer(state)
 
     def _finish_answer(self, state: RequestState, answer: Answer, delta: Delta) -> None:
-        """An answer ended by itself: its last delta, and the request's end with its last."""
-        if all(other.seq.is_finished for other in state.answers):
+        """An answer ended by itself: its last delta, and the request's end with its last
+        (answers that finished in the same step each hand out theirs first)."""
+        answer.ended = True
+        if all(other.ended for other in state.answers):
             state.final_index = answer.index
             self._end(state, answer.seq.status, delta=delta)
             return
