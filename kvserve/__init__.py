@@ -17,12 +17,12 @@ _LAZY = {
     "LLM": "kvserve.engine.llm",
     "CompletionOutput": "kvserve.engine.llm",
     "RequestOutput": "kvserve.engine.llm",
-    "SamplingParams": "kvserve.sampling",
+    "SamplingParams": "kvserve.params",
 }
 
 if TYPE_CHECKING:
     from kvserve.engine.llm import LLM, CompletionOutput, RequestOutput
-    from kvserve.sampling import SamplingParams
+    from kvserve.params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

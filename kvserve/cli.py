@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 from kvserve.config import (
     ADMISSIONS,
@@ -18,6 +19,7 @@ from kvserve.config import (
     QUANTIZATIONS,
     CacheConfig,
     DeviceConfig,
+    EmbeddingConfig,
     EngineConfig,
     QueueConfig,
     SchedulerConfig,
@@ -29,6 +31,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvserve.server.cli", "run the OpenAI-compatible HTTP server"),
     "cluster": ("kvserve.cluster.cli", "run N engine replicas on Ray Serve behind one endpoint"),
     "generate": ("kvserve.engine.generate_cli", "generate text for a prompt, streamed"),
+    "pull": ("kvserve.hub.pull_cli", "fetch a catalogue model into the models directory"),
+    "list": ("kvserve.hub.list_cli", "list the models present, with their sizes"),
     "bench": ("kvserve.bench.loadgen", "load-test an OpenAI-compatible server"),
     "simulate": ("kvserve.sim.cli", "run the scheduling simulator"),
 }
@@ -79,11 +83,21 @@ def _optional_int(text: str) -> int | None:
 def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
     """Flags shared by every command that runs the engine (serve, generate)."""
     e = env_default
-    model_help = "a .gguf file or a Hugging Face model directory (default: embedded SmolLM2-135M)"
+    model_help = (
+        "a catalogue name pulled with `kvserve pull` (e.g. qwen2.5-coder:1.5b), a .gguf file "
+        "or a Hugging Face model directory (default: embedded SmolLM2-135M)"
+    )
     if positional_model:
         parser.add_argument("model", nargs="?", default=e("--model", None), help=model_help)
     else:
-        parser.add_argument("--model", default=e("--model", None), help=model_help)
+        parser.add_argument("-m", "--model", default=e("--model", None), help=model_help)
+    parser.add_argument(
+        "--pull",
+        action="store_true",
+        default=e("--pull", False, bool),
+        help="pull a catalogue model first when it is not in the models directory yet "
+        "(without it a model not pulled is an error that says how to pull it)",
+    )
     g = parser.add_argument_group("device")
     g.add_argument("--device", default=e("--device", "auto"), help="auto | cpu | cuda[:N]")
     g.add_argument(
@@ -93,9 +107,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         "--quantization",
         choices=QUANTIZATIONS,
         default=e("--quantization", "auto"),
-        help="auto (default: int8 for an already quantized checkpoint where the CPU kernels "
-        "run, else none) | none: the model's dtype | int8: int8 linear layers on the CPU "
-        "(about 2x the throughput of bf16; see docs/serving.md)",
+        help="auto (default: a GGUF file with K-quant blocks keeps its blocks, another "
+        "quantized checkpoint runs int8 where the CPU kernels run, else none) | none: the "
+        "model's dtype | int8: int8 linear layers on the CPU | gguf: the GGUF file's blocks "
+        "kept in memory and multiplied as they are | q4: Q4_0/Q4_1 blocks on AVX512-VNNI "
+        "(see docs/serving.md)",
     )
     g.add_argument(
         "--weight-cache-dir",
@@ -194,6 +210,58 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         help="undelivered steps before a client is dropped as a slow consumer",
     )
     g.add_argument("--seed", type=int, default=e("--seed", 0, int))
+    g = parser.add_argument_group("chat")
+    g.add_argument(
+        "--chat-template",
+        default=e("--chat-template", None),
+        help="a Jinja chat template to use in place of the model's: a file, or the template "
+        "itself (as vLLM's flag); tool calls are then read in the syntax it teaches",
+    )
+
+    g = parser.add_argument_group("embeddings")
+    g.add_argument(
+        "--pooling",
+        choices=("last", "mean"),
+        default=e("--pooling", "last"),
+        help="how a decoder model's embeddings pool its tokens' final states: last (the last "
+        "token's, as decoder-based embedders do) | mean; an encoder model's own config says",
+    )
+
+
+def chat_template_text(value: str | None) -> str | None:
+    """`--chat-template`'s template: the file it names, or the value itself when it is no
+    file (a template has Jinja markup; a missing file is an error)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" not in value:
+        raise SystemExit(f"kvserve: --chat-template: no such file: {value}")
+    return value
+
+
+def resolve_model_argument(args: argparse.Namespace) -> str | None:
+    """Check the model argument before anything heavy starts: None when it names a model
+    present here (pulled first with `--pull`), else the message to print. A catalogue name
+    not pulled yet is refused with the command that pulls it."""
+    from kvserve import hub
+    from kvserve.model.paths import resolve_model_path
+
+    try:
+        resolve_model_path(args.model)
+    except hub.NotPulledError as exc:
+        if not getattr(args, "pull", False):
+            return str(exc)
+        from kvserve.hub.pull_cli import pull_entry
+
+        try:
+            pull_entry(exc.entry)
+        except hub.PullError as error:
+            return str(error)
+    except (FileNotFoundError, ValueError) as exc:
+        return str(exc)
+    return None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -228,7 +296,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_overtakes=args.max_overtakes,
         ),
         stream=StreamConfig(buffer_steps=args.stream_buffer),
+        embedding=EmbeddingConfig(pooling=args.pooling),
         seed=args.seed,
+        chat_template=chat_template_text(args.chat_template),
     )
 
 

@@ -28,7 +28,7 @@ def env_default(flag: str, default, cast=str):
     return cast(raw)
 
 
-QUANTIZATIONS = ("auto", "none", "int8", "q4")
+QUANTIZATIONS = ("auto", "none", "int8", "gguf", "q4")
 KV_CACHE_DTYPES = ("auto", "model", "int8")
 # Positions per KV block the command line accepts (vLLM's set above 1); each is tested.
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -41,8 +41,10 @@ class DeviceConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
     num_threads: int | None = None  # torch intra-op threads on CPU; None = number of cores
-    # "auto" (int8 for an already quantized checkpoint where the CPU kernels run, else none) |
-    # "none" (the model's dtype) | "int8" (int8 linear layers, kvserve/model/quant.py)
+    # "auto" (a K-quant GGUF keeps its blocks; int8 for another quantized checkpoint where the
+    # CPU kernels run; else none) | "none" (the model's dtype) | "int8" (int8 linear layers,
+    # kvserve/model/linear/int8.py) | "gguf" (the file's blocks, kvserve/model/linear/blocks.py)
+    # | "q4" (Q4_0/Q4_1 blocks on AVX512-VNNI, kvserve/model/linear/q4.py)
     quantization: str = "auto"
     # Prepared int8 weights cached on disk and memory-mapped at the next start
     # (kvserve/model/weight_cache.py); the directory defaults to $KVSERVE_WEIGHT_CACHE_DIR, else
@@ -159,6 +161,17 @@ class StreamConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EmbeddingConfig:
+    """How a decoder's hidden states become an embedding (an encoder says so itself)."""
+
+    pooling: str = "last"  # "last" (the last token's state) | "mean" (the average)
+
+    def __post_init__(self) -> None:
+        if self.pooling not in ("last", "mean"):
+            raise ValueError(f"unknown pooling {self.pooling!r} (use last or mean)")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs, grouped."""
 
@@ -168,7 +181,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     queue: QueueConfig = QueueConfig()
     stream: StreamConfig = StreamConfig()
+    embedding: EmbeddingConfig = EmbeddingConfig()
     seed: int = 0
+    # The Jinja chat template to use in place of the model's own (its text); None keeps it.
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

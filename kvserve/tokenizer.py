@@ -2,6 +2,8 @@
 
 Built on the Hugging Face `tokenizers` library. A tokenizer comes either from a GGUF file's
 metadata (`Tokenizer.from_gguf`) or from a Hugging Face model directory (`Tokenizer.from_hf_dir`).
+Byte-level BPE vocabularies (Llama 3, Qwen, SmolLM) and SentencePiece ones (BPE or unigram with
+byte fallback: Llama 2, Mistral, Gemma, Phi-3, T5) are supported.
 
 Three rules hold throughout:
 
@@ -11,16 +13,20 @@ Three rules hold throughout:
   as transformers' tokenizer (and vLLM, llama.cpp's server) parse them.
 - `encode_chat` lets only the chat template produce control tokens; text that came from the
   messages is encoded as plain text, even where it spells a control token.
-- `IncrementalDetokenizer` emits only whole UTF-8 characters, holds back text that may still
-  become a stop string, and its output always adds up to what `decode` gives for the same ids.
+- `IncrementalDetokenizer` emits only whole UTF-8 characters (a character spelled by several
+  byte pieces comes out once its last byte arrives), holds back text that may still become a
+  stop string, and its output adds up to what `decode` gives for the same ids (standalone; a
+  generated sequence keeps the space of its first word, which `decode` drops).
 """
 
 from __future__ import annotations
 
 import codecs
+import copy
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,7 +35,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 __all__ = [
@@ -43,9 +49,19 @@ class ChatTemplateError(ValueError):
     """The conversation could not be rendered: no template, a failing template, or bad messages."""
 
 
-# GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
+# GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type, SentencePiece's piece
+# types).
+_TOKEN_TYPE_NORMAL = 1
+_TOKEN_TYPE_UNKNOWN = 2
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+_TOKEN_TYPE_UNUSED = 5
+_TOKEN_TYPE_BYTE = 6
+
+# SentencePiece's word marker: a space inside a piece ("▁the" is " the").
+_SPACE_MARK = "\u2581"
+# A byte-fallback piece: "<0x0A>" is the byte 0x0A.
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 # Token texts llama.cpp treats as end of generation when the vocabulary marks them as control
 # tokens. A GGUF carries no generation_config, so without these a model that ends its text with
@@ -65,8 +81,16 @@ _END_OF_GENERATION_TEXTS = frozenset(
     }
 )
 
-# Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`, the same ones llama.cpp and the
-# models' own tokenizer.json files use.
+# Control tokens that mark a tool call in the model's answer. They stay in the answer's text
+# when special tokens are skipped: the tool-call parsers read them (Llama 3 writes
+# <|python_tag|> before a call, Mistral [TOOL_CALLS] and [ARGS]).
+_ANSWER_MARKER_TEXTS = frozenset(
+    {"<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<tool_call>", "</tool_call>"}
+)
+
+# Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`: llama.cpp's (llama-vocab.cpp), in
+# the spelling of the models' own tokenizer.json files where llama.cpp rewrote them for its
+# regex engine. Several patterns split one after the other, each within the pieces of the last.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -76,24 +100,46 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# llama.cpp's `default` (also what a GGUF without `tokenizer.ggml.pre` gets there).
+_DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
+
+_LLAMA3_PRES = frozenset(
+    {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"}
+)
+_SPLITS_BY_PRE: dict[str, tuple[str, ...]] = {
+    "default": _DEFAULT_SPLITS,
+    **{pre: (_LLAMA3_SPLIT,) for pre in _LLAMA3_PRES | {"dbrx", "smaug-bpe", "chatglm-bpe"}},
+    **{
+        pre: (_QWEN2_SPLIT,)
+        for pre in ("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "kormo", "hunyuan")
+    },
+    "tekken": (_TEKKEN_SPLIT,),
+    **{pre: (_GPT4O_SPLIT,) for pre in ("gpt-4o", "llama4", "kanana2", "minimax-m2")},
+}
 # Vocabularies trained with every digit split off first (StarCoder's tokenizer and its
 # descendants, SmolLM among them): llama.cpp runs `\p{N}` and then the GPT-2 pattern, and the
 # models' tokenizer.json has Digits(individual_digits=True) before ByteLevel. The two agree; a
 # plain GPT-2 split does not ("a  1" is [a, "  ", 1] here, [a, " ", " ", 1] with GPT-2).
 _DIGITS_FIRST_PRES = frozenset(
-    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva", "minerva-7b"}
 )
-_GPT2_PRES = frozenset({"gpt2", "gpt-2", "mpt", "olmo", "jais"})
-_SPLIT_PRES = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "falcon3": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
+_GPT2_PRES = frozenset({"gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "mellum"})
+# llama.cpp takes a pre-token whole when the vocabulary has it, before any merge (as these
+# models' tokenizer.json files say with "ignore_merges"), and adds BOS by default.
+_IGNORE_MERGES_PRES = _LLAMA3_PRES | {"tekken"}
+_ADD_BOS_PRES = _LLAMA3_PRES | {"tekken", "chameleon"}
 
 
 def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -106,14 +152,15 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         )
     if pre in _GPT2_PRES:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _SPLIT_PRES:
+    if pre in _SPLITS_BY_PRE:
+        splits = [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+            for pattern in _SPLITS_BY_PRE[pre]
+        ]
         return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_SPLIT_PRES[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
+            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
-    known = sorted(_DIGITS_FIRST_PRES | _GPT2_PRES | set(_SPLIT_PRES))
+    known = sorted(_DIGITS_FIRST_PRES | _GPT2_PRES | set(_SPLITS_BY_PRE))
     raise ValueError(
         f"GGUF pre-tokenizer {pre!r} is not supported (known: {', '.join(known)}); "
         "load the model's Hugging Face directory instead"
@@ -174,6 +221,419 @@ def _token_content(value: Any) -> str | None:
         content = value.get("content")
         return content if isinstance(content, str) else None
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# Vocabularies from GGUF metadata
+
+
+def _gguf_byte_level(fields: Mapping[str, Any], path: str | Path) -> tuple[Backend, bool]:
+    """A byte-level BPE vocabulary (`tokenizer.ggml.model = gpt2`) and whether llama.cpp adds
+    BOS to it by default."""
+    tokens = list(_field_value(fields, "tokenizer.ggml.tokens", []))
+    merges = list(_field_value(fields, "tokenizer.ggml.merges", []))
+    token_types = list(_field_value(fields, "tokenizer.ggml.token_type", []))
+    # A file without the key gets llama.cpp's `default` split, as it does there.
+    pre = _field_value(fields, "tokenizer.ggml.pre", "default")
+    if not tokens:
+        raise ValueError(f"{path}: no tokenizer.ggml.tokens in the GGUF metadata")
+
+    spelled = [_respell_byte_level(token) for token in tokens]
+    vocab = {token: token_id for token_id, token in enumerate(spelled)}
+    backend = Backend(
+        models.BPE(
+            vocab=vocab,
+            merges=[tuple(merge.split(" ", 1)) for merge in merges],
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            ignore_merges=pre in _IGNORE_MERGES_PRES,
+        )
+    )
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+
+    alphabet = set(_CHAR_TO_BYTE)
+    control = []
+    user_defined = []
+    for token, token_type in zip(tokens, token_types, strict=False):
+        if token_type == _TOKEN_TYPE_CONTROL and set(token) <= alphabet:
+            control.append(AddedToken(token, normalized=False, special=True))
+        elif token_type == _TOKEN_TYPE_USER_DEFINED and token in vocab:
+            # llama.cpp matches user-defined tokens whole, inside plain text too.
+            user_defined.append(AddedToken(token, normalized=False, special=False))
+    backend.add_special_tokens(control)
+    backend.add_tokens(user_defined)
+    return backend, pre in _ADD_BOS_PRES
+
+
+def _merges_from_scores(
+    tokens: Sequence[str], scores: Sequence[float], token_types: Sequence[int]
+) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece BPE vocabulary implies: every way of cutting a normal
+    piece into two normal pieces, the pieces with the best score first.
+
+    SentencePiece (and llama.cpp's SPM tokenizer) repeatedly joins the adjacent pair whose
+    concatenation is the best-scoring piece; BPE over these merges does the same. Control,
+    byte and unknown pieces are never the result of a join."""
+    normal = {
+        token: (score, index)
+        for index, (token, score, token_type) in enumerate(
+            zip(tokens, scores, token_types, strict=False)
+        )
+        if token_type == _TOKEN_TYPE_NORMAL
+    }
+    ranked = []
+    for token, (score, index) in normal.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in normal and right in normal:
+                ranked.append((-score, index, left, right))
+    ranked.sort()
+    return [(left, right) for _, _, left, right in ranked]
+
+
+def _sentencepiece_normalizer(
+    *, add_space_prefix: bool, remove_extra_whitespaces: bool, charsmap: bytes | None
+) -> normalizers.Normalizer:
+    """SentencePiece's normalization: the precompiled character map, extra spaces removed, the
+    dummy space in front, and every space spelled as the word marker. The dummy space is
+    added to every stretch of text between added tokens, as llama.cpp does."""
+    steps: list[normalizers.Normalizer] = []
+    if charsmap:
+        steps.append(normalizers.Precompiled(charsmap))
+    if remove_extra_whitespaces:
+        # Only spaces count, as in SentencePiece; newlines and tabs stay.
+        steps += [
+            normalizers.Replace(Regex(r"\A +| +\z"), ""),
+            normalizers.Replace(Regex(" {2,}"), " "),
+        ]
+    if add_space_prefix:
+        steps.append(normalizers.Prepend(_SPACE_MARK))
+    steps.append(normalizers.Replace(" ", _SPACE_MARK))
+    return normalizers.Sequence(steps)
+
+
+def _gguf_sentencepiece(
+    fields: Mapping[str, Any], path: str | Path, *, unigram: bool
+) -> tuple[Backend, int | None]:
+    """A SentencePiece vocabulary: `tokenizer.ggml.model = llama` (BPE, joined by score as
+    llama.cpp's SPM tokenizer does) or `t5` (unigram, llama.cpp's UGM). Returns the backend
+    and the unknown token's id."""
+    tokens = list(_field_value(fields, "tokenizer.ggml.tokens", []))
+    if not tokens:
+        raise ValueError(f"{path}: no tokenizer.ggml.tokens in the GGUF metadata")
+    num_tokens = len(tokens)
+    scores = [float(s) for s in _field_value(fields, "tokenizer.ggml.scores", [])]
+    token_types = [int(t) for t in _field_value(fields, "tokenizer.ggml.token_type", [])]
+    if not scores:
+        scores = [0.0] * num_tokens
+    if not token_types:
+        token_types = [_TOKEN_TYPE_NORMAL] * num_tokens
+    if len(scores) < num_tokens or len(token_types) < num_tokens:
+        raise ValueError(f"{path}: tokenizer.ggml.scores or token_type is shorter than tokens")
+    if len(set(tokens)) != num_tokens:
+        raise ValueError(f"{path}: the GGUF vocabulary spells a token twice")
+
+    # llama.cpp's defaults where the file says nothing.
+    unk_id = _field_value(fields, "tokenizer.ggml.unknown_token_id", 2 if unigram else 0)
+    if unk_id is not None and not 0 <= unk_id < num_tokens:
+        unk_id = None
+    add_space_prefix = bool(_field_value(fields, "tokenizer.ggml.add_space_prefix", not unigram))
+    remove_extra = bool(_field_value(fields, "tokenizer.ggml.remove_extra_whitespaces", False))
+    charsmap = _field_value(fields, "tokenizer.ggml.precompiled_charsmap")
+    has_bytes = _TOKEN_TYPE_BYTE in token_types[:num_tokens]
+
+    if unigram:
+        model = models.Unigram(
+            [(token, score) for token, score in zip(tokens, scores, strict=False)],
+            unk_id=unk_id,
+            byte_fallback=has_bytes,
+        )
+    else:
+        merges = list(_field_value(fields, "tokenizer.ggml.merges", []))
+        model = models.BPE(
+            vocab={token: token_id for token_id, token in enumerate(tokens)},
+            merges=[tuple(merge.split(" ", 1)) for merge in merges]
+            if merges
+            else _merges_from_scores(tokens, scores, token_types),
+            unk_token=tokens[unk_id] if unk_id is not None else None,
+            fuse_unk=True,
+            byte_fallback=has_bytes,
+            dropout=None,
+        )
+    backend = Backend(model)
+    backend.normalizer = _sentencepiece_normalizer(
+        add_space_prefix=add_space_prefix,
+        remove_extra_whitespaces=remove_extra,
+        charsmap=bytes(int(b) & 0xFF for b in charsmap) if charsmap is not None else None,
+    )
+    steps = [decoders.Replace(_SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+
+    special = []
+    user_defined = []
+    for token_id, (token, token_type) in enumerate(zip(tokens, token_types, strict=False)):
+        if token_type == _TOKEN_TYPE_CONTROL or token_id == unk_id:
+            special.append(AddedToken(token, normalized=False, special=True))
+        elif token_type == _TOKEN_TYPE_USER_DEFINED:
+            # SentencePiece and llama.cpp match user-defined pieces whole, in plain text too.
+            user_defined.append(AddedToken(token, normalized=False, special=False))
+    backend.add_special_tokens(special)
+    backend.add_tokens(user_defined)
+    return backend, unk_id
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding: each token's bytes, as the backend's decoder spells them
+
+
+@dataclass(frozen=True, slots=True)
+class _DecoderShape:
+    """What a tokenizer.json decoder does, in the terms the byte tables need.
+
+    Byte-level vocabularies spell each byte as a character. SentencePiece ones write a space
+    as "▁" and a byte as "<0xAB>" (ByteFallback), and drop the dummy space of a text's first
+    word: `Strip` after `Fuse` takes the "▁" off the first token, `Metaspace` takes every
+    "▁" out of it. As in sentencepiece, a space that a byte piece spells is never dropped."""
+
+    byte_level: bool = False
+    marker_is_space: bool = False
+    byte_fallback: bool = False
+    first_token_drops_marker: bool = False
+    first_token_strips: int = 0
+
+    @classmethod
+    def of(cls, decoder: Mapping[str, Any] | None) -> _DecoderShape:
+        if decoder is None:
+            raise ValueError("the tokenizer has no decoder")
+        if decoder.get("type") == "ByteLevel":
+            return cls(byte_level=True)
+        steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+        fused = False
+        found: dict[str, Any] = {}
+        for step in steps:
+            kind = step.get("type")
+            if (
+                kind == "Replace"
+                and not fused
+                and step.get("pattern") == {"String": _SPACE_MARK}
+                and step.get("content") == " "
+            ):
+                found["marker_is_space"] = True
+            elif kind == "ByteFallback" and not fused:
+                found["byte_fallback"] = True
+            elif kind == "Metaspace" and not fused and step.get("replacement") == _SPACE_MARK:
+                found["marker_is_space"] = True
+                scheme = step.get("prepend_scheme")
+                if scheme is None:  # files written before prepend_scheme
+                    scheme = "always" if step.get("add_prefix_space", True) else "never"
+                found["first_token_drops_marker"] = scheme != "never"
+            elif kind == "Fuse":
+                fused = True
+            elif kind == "Strip" and fused and step.get("content") == " " and not step.get("stop"):
+                found["first_token_strips"] = int(step.get("start", 0))
+            else:
+                raise ValueError(
+                    f"the tokenizer's decoder is not supported: step {kind!r} in "
+                    f"{json.dumps(decoder)[:300]} (supported: ByteLevel, or SentencePiece's "
+                    "Replace('▁', ' '), ByteFallback, Metaspace, Fuse and Strip(' ') after Fuse)"
+                )
+        if not found.get("marker_is_space"):
+            raise ValueError(
+                "the tokenizer's decoder is not supported: it neither decodes bytes (ByteLevel) "
+                f"nor writes '▁' as a space: {json.dumps(decoder)[:300]}"
+            )
+        return cls(**found)
+
+    @property
+    def utf8_errors(self) -> str:
+        """How invalid UTF-8 is shown: byte-level decoding (Rust's from_utf8_lossy) replaces
+        each bad sequence once, as Python's "replace" does; SentencePiece and ByteFallback
+        replace each bad byte."""
+        return _REPLACE_EACH_BYTE if self.byte_fallback else "replace"
+
+    def token_bytes(self, token: str, *, first: bool = False) -> bytes:
+        """The bytes a token decodes to (as the first token of a text, with `first`)."""
+        if self.byte_level:
+            return _byte_level_bytes(token)
+        if self.byte_fallback:
+            byte = _BYTE_PIECE.match(token)
+            if byte is not None:
+                return bytes([int(byte.group(1), 16)])
+        if first and self.first_token_drops_marker:
+            return token.replace(_SPACE_MARK, "").encode("utf-8")
+        if first and self.first_token_strips:
+            kept = token.lstrip(_SPACE_MARK)
+            token = _SPACE_MARK * max(0, len(token) - len(kept) - self.first_token_strips) + kept
+        return token.replace(_SPACE_MARK, " ").encode("utf-8")
+
+    @property
+    def changes_first_token(self) -> bool:
+        return self.first_token_drops_marker or self.first_token_strips > 0
+
+
+_REPLACE_EACH_BYTE = "kvserve.replace_each_byte"
+
+
+def _replace_each_byte(error: UnicodeError) -> tuple[str, int]:
+    assert isinstance(error, UnicodeDecodeError)
+    return "\ufffd" * (error.end - error.start), error.end
+
+
+codecs.register_error(_REPLACE_EACH_BYTE, _replace_each_byte)
+
+
+# --------------------------------------------------------------------------------------------
+# Plain-text encoders
+
+
+def _without_first_prepend(data: dict[str, Any]) -> dict[str, Any] | None:
+    """`data` (a tokenizer.json) with a Metaspace pre-tokenizer that prepends the word marker
+    only at the start of the input (prepend_scheme "first") made to never prepend; None when
+    it has none. Text that follows a control token in a rendered chat is encoded with it."""
+
+    def visit(node: Any) -> bool:
+        if isinstance(node, dict):
+            found = node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first"
+            if found:
+                node["prepend_scheme"] = "never"
+            return any([found, *(visit(value) for value in node.values())])
+        if isinstance(node, list):
+            return any([visit(value) for value in node])
+        return False
+
+    pre_tokenizer = json.loads(json.dumps(data.get("pre_tokenizer")))
+    if not visit(pre_tokenizer):
+        return None
+    return {**data, "pre_tokenizer": pre_tokenizer}
+
+
+def _reserved_spelling(token_id: int) -> str:
+    # With spaces, which the pipelines rewrite before the model sees the text (checked when
+    # the encoder is built), so no text can spell it.
+    return f" {_PLACEHOLDER_MARK}reserved {token_id}{_PLACEHOLDER_MARK} "
+
+
+def _plain_text_data(data: dict[str, Any]) -> dict[str, Any] | None:
+    """A copy of a tokenizer.json for plain text, from which no control token can come (None:
+    `data` is such already).
+
+    `tokenizers` keeps special added tokens out of the text it matches, but its models may
+    still produce their vocabulary entries: a unigram model matches any piece inside the text
+    (control pieces like "<s>", the unknown piece, byte pieces like "<0x41>"), where
+    SentencePiece matches only normal and user-defined ones; a BPE model may join or (with
+    ignore_merges) take whole a control token's spelling. In the copy those entries are
+    respelled so that nothing matches them and the joins that make them are gone; a unigram
+    model's byte fallback is left to `_PlainText`, which writes an unknown stretch as its
+    bytes, as SentencePiece does."""
+    model = dict(data.get("model") or {})
+    added = data.get("added_tokens", [])
+    specials = {token["id"]: token["content"] for token in added if token["special"]}
+    respelled: set[int] = set()
+    if model.get("type") == "Unigram":
+        vocab = [list(entry) for entry in model["vocab"]]
+        reserved = set(specials)
+        if model.get("unk_id") is not None:
+            reserved.add(model["unk_id"])
+        if model.get("byte_fallback"):
+            reserved |= {i for i, (piece, _) in enumerate(vocab) if _BYTE_PIECE.match(piece)}
+        for token_id in reserved:
+            if token_id < len(vocab):
+                vocab[token_id][0] = _reserved_spelling(token_id)
+                respelled.add(token_id)
+        model["vocab"] = vocab
+        model["byte_fallback"] = False
+    elif model.get("type") == "BPE":
+        special_texts = set(specials.values())
+        merges = model.get("merges", [])
+        kept = []
+        for merge in merges:
+            left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
+            if not ({left, right, left + right} & special_texts):
+                kept.append(merge)
+        whole_words = bool(model.get("ignore_merges"))
+        if whole_words and model.get("byte_fallback"):
+            # A SentencePiece vocabulary is closed under its joins: taking a whole word from
+            # the vocabulary adds only byte pieces spelled out in the text ("<0x41>").
+            whole_words = model["ignore_merges"] = False
+        vocab = model["vocab"]
+        reserved_texts = {
+            text for token_id, text in specials.items() if vocab.get(text) == token_id
+        }
+        if not whole_words:
+            # Without whole-word matching only joins make a token: none makes these now.
+            reserved_texts = set()
+        if len(kept) == len(merges) and not reserved_texts and model == data.get("model"):
+            return None
+        model["merges"] = kept
+        if reserved_texts:
+            vocab = dict(vocab)
+            for text in reserved_texts:
+                token_id = vocab.pop(text)
+                vocab[_reserved_spelling(token_id)] = token_id
+                respelled.add(token_id)
+                if model.get("unk_token") == text:
+                    model["unk_token"] = _reserved_spelling(token_id)
+            model["vocab"] = vocab
+    else:
+        return None
+    added = [
+        {**token, "content": _reserved_spelling(token["id"])} if token["id"] in respelled else token
+        for token in added
+    ]
+    return {**data, "model": model, "added_tokens": added}
+
+
+class _PlainText:
+    """Encodes plain text with a backend built from `_plain_text_data`: control tokens never
+    come out, and a unigram model's unknown stretches become their byte pieces."""
+
+    def __init__(self, original: dict[str, Any], data: dict[str, Any] | Backend) -> None:
+        """`data`: the tokenizer.json to build from, or a ready backend."""
+        if isinstance(data, Backend):
+            self.backend = data
+        else:
+            self.backend = Backend.from_str(json.dumps(data))
+        self.backend.encode_special_tokens = True
+        model = original.get("model") or {}
+        self.unk_id: int | None = None
+        self.byte_ids: dict[int, int] = {}
+        if model.get("type") == "Unigram" and model.get("byte_fallback"):
+            self.unk_id = model.get("unk_id")
+            for token_id, (piece, _score) in enumerate(model["vocab"]):
+                byte = _BYTE_PIECE.match(piece)
+                if byte is not None:
+                    self.byte_ids[int(byte.group(1), 16)] = token_id
+        if model.get("type") == "Unigram" and " " in "".join(self._model_input("a b")):
+            raise ValueError(
+                "a unigram tokenizer that lets spaces reach its model is not supported"
+            )
+
+    def _model_input(self, text: str) -> list[str]:
+        normalizer, pre_tokenizer = self.backend.normalizer, self.backend.pre_tokenizer
+        normalized = normalizer.normalize_str(text) if normalizer is not None else text
+        if pre_tokenizer is None:
+            return [normalized]
+        return [piece for piece, _ in pre_tokenizer.pre_tokenize_str(normalized)]
+
+    def encode(self, text: str) -> list[int]:
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        ids = encoding.ids
+        if self.unk_id is None or self.unk_id not in ids:
+            return ids
+        out: list[int] = []
+        for token_id, piece in zip(ids, encoding.tokens, strict=True):
+            # An unknown token's text is the (normalized) text it stands for.
+            byte_ids = [self.byte_ids.get(byte) for byte in piece.encode("utf-8")]
+            if token_id == self.unk_id and piece and None not in byte_ids:
+                out += byte_ids  # type: ignore[arg-type]
+            else:
+                out.append(token_id)
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,6 +773,10 @@ class Tokenizer:
 
     Build one with `from_gguf` or `from_hf_dir`. Instances are read-only after construction and
     safe to share between threads.
+
+    Byte-level BPE vocabularies (GPT-2's alphabet: Llama 3, Qwen, SmolLM) and SentencePiece
+    ones (BPE or unigram, "▁" for a space, byte fallback: Llama 2, Mistral, Gemma, Phi-3) are
+    supported; the backend's decoder says which a vocabulary is.
     """
 
     def __init__(
@@ -324,20 +788,25 @@ class Tokenizer:
         eos_token_ids: Iterable[int] = (),
         chat_template: str | None = None,
         add_bos: bool = False,
+        add_eos: bool = False,
     ) -> None:
-        if not isinstance(backend.decoder, decoders.ByteLevel):
-            raise ValueError(
-                "only byte-level BPE tokenizers are supported; this one decodes with "
-                f"{type(backend.decoder).__name__} (SentencePiece-style vocabularies are not)"
-            )
+        data = json.loads(backend.to_str())
+        self._decoding = _DecoderShape.of(data.get("decoder"))
         # A second backend, identical but for matching special tokens in its input, encodes raw
         # prompts (`parse_special=True`); the flag is per backend, and instances are shared
         # between threads, so it is never toggled.
         self._parsing_backend = Backend.from_str(backend.to_str())
         self._parsing_backend.encode_special_tokens = False
-        # Plain-text encoding: special tokens in the input are never matched.
         backend.encode_special_tokens = True
         self._backend = backend
+        # Plain text: special tokens in the input are never matched, nor made by the model.
+        plain_data = _plain_text_data(data)
+        self._plain = _PlainText(data, backend if plain_data is None else plain_data)
+        # Text after a control token, where a Metaspace "first" scheme writes no dummy space.
+        inner = _without_first_prepend(plain_data or data)
+        self._plain_inner = self._plain if inner is None else _PlainText(data, inner)
+        self._unigram = (data.get("model") or {}).get("type") == "Unigram"
+
         self._bos_token_id = bos_token_id
         self._eos_token_id = eos_token_id
         ends = set(eos_token_ids)
@@ -347,6 +816,7 @@ class Tokenizer:
         self._chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
         self._add_bos = add_bos
+        self._add_eos = add_eos
 
         added = backend.get_added_tokens_decoder()
         self._special_token_ids = frozenset(i for i, token in added.items() if token.special)
@@ -354,16 +824,39 @@ class Tokenizer:
         longest_first = sorted(self._special_by_text, key=len, reverse=True)
         # (?!) never matches: a vocabulary without special tokens splits nothing.
         self._special_re = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+        # Added tokens that eat the whitespace beside them (AddedToken lstrip/rstrip).
+        self._lstrip_ids = frozenset(i for i in self._special_token_ids if added[i].lstrip)
+        self._rstrip_ids = frozenset(i for i in self._special_token_ids if added[i].rstrip)
 
         vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        self._token_bytes: list[bytes] = []
-        for token_id in range(vocab_size):
-            token = backend.id_to_token(token_id)
-            self._token_bytes.append(b"" if token is None else _byte_level_bytes(token))
-        # The same table with special tokens left out, for skip_special_tokens=True.
+        tokens = [backend.id_to_token(token_id) for token_id in range(vocab_size)]
+        self._token_bytes = [
+            b"" if token is None else self._decoding.token_bytes(token) for token in tokens
+        ]
+        self._first_token_bytes: list[bytes] | None = None
+        if self._decoding.changes_first_token:
+            self._first_token_bytes = [
+                b"" if token is None else self._decoding.token_bytes(token, first=True)
+                for token in tokens
+            ]
+        # Tokens skip_special_tokens=True leaves out: control tokens, but for the markers of a
+        # tool call in the answer, which its parser reads.
+        self._skipped_ids = frozenset(
+            i for i in self._special_token_ids if added[i].content not in _ANSWER_MARKER_TEXTS
+        )
         self._token_bytes_skipping = list(self._token_bytes)
-        for token_id in self._special_token_ids:
+        for token_id in self._skipped_ids:
             self._token_bytes_skipping[token_id] = b""
+
+    def with_chat_template(self, chat_template: str | None) -> Tokenizer:
+        """The same vocabulary with another chat template (None: no template); raises
+        ChatTemplateError when the template does not compile."""
+        other = copy.copy(self)
+        other._chat_template = chat_template
+        other._compiled_template = (
+            None if chat_template is None else _compile_template(chat_template)
+        )
+        return other
 
     # --- construction ---------------------------------------------------------------------
 
@@ -371,70 +864,52 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path, fields: Mapping[str, Any] | None = None) -> Tokenizer:
         """The tokenizer described by a GGUF file's metadata.
 
-        `fields` is `gguf.GGUFReader(path).fields` when the caller has parsed the file already
-        (parsing takes seconds); plain values in place of reader fields are accepted too.
+        `tokenizer.ggml.model` says which: `gpt2` (byte-level BPE, split by the pattern of
+        `tokenizer.ggml.pre`), `llama` (SentencePiece BPE: tokens, scores and token types, byte
+        fallback, the dummy space of `tokenizer.ggml.add_space_prefix`) or `t5` (SentencePiece
+        unigram). `fields` is `gguf.GGUFReader(path).fields` when the caller has parsed the
+        file already (parsing takes seconds); plain values in place of reader fields are
+        accepted too.
         """
         if fields is None:
             import gguf
 
             fields = gguf.GGUFReader(str(path)).fields
         model = _field_value(fields, "tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(
-                f"GGUF tokenizer model {model!r} is not supported; only byte-level BPE ('gpt2') "
-                "vocabularies are (SentencePiece 'llama' vocabularies are not)"
-            )
         tokens = list(_field_value(fields, "tokenizer.ggml.tokens", []))
-        merges = list(_field_value(fields, "tokenizer.ggml.merges", []))
         token_types = list(_field_value(fields, "tokenizer.ggml.token_type", []))
-        pre = _field_value(fields, "tokenizer.ggml.pre", "gpt2")
-        if not tokens:
-            raise ValueError(f"{path}: no tokenizer.ggml.tokens in the GGUF metadata")
-
-        spelled = [_respell_byte_level(token) for token in tokens]
-        vocab = {token: token_id for token_id, token in enumerate(spelled)}
-        backend = Backend(
-            models.BPE(
-                vocab=vocab,
-                merges=[tuple(merge.split(" ", 1)) for merge in merges],
-                dropout=None,
-                continuing_subword_prefix="",
-                end_of_word_suffix="",
-                fuse_unk=False,
+        if model == "gpt2":
+            backend, add_bos = _gguf_byte_level(fields, path)
+            default_ids = {"bos": None, "eos": None}
+        elif model in ("llama", "t5"):
+            backend, _unk = _gguf_sentencepiece(fields, path, unigram=model == "t5")
+            add_bos = model == "llama"
+            default_ids = {"bos": 1, "eos": 2} if model == "llama" else {"bos": None, "eos": 1}
+        else:
+            raise ValueError(
+                f"GGUF tokenizer model {model!r} is not supported; byte-level BPE ('gpt2') and "
+                "SentencePiece ('llama', 't5') vocabularies are"
             )
-        )
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-        backend.decoder = decoders.ByteLevel()
 
-        alphabet = set(_CHAR_TO_BYTE)
-        control = []
-        user_defined = []
-        for token, token_type in zip(tokens, token_types, strict=False):
-            if token_type == _TOKEN_TYPE_CONTROL and set(token) <= alphabet:
-                control.append(AddedToken(token, normalized=False, special=True))
-            elif token_type == _TOKEN_TYPE_USER_DEFINED and token in vocab:
-                # llama.cpp matches user-defined tokens whole, inside plain text too.
-                user_defined.append(AddedToken(token, normalized=False, special=False))
-        backend.add_special_tokens(control)
-        backend.add_tokens(user_defined)
+        def token_id(name: str) -> int | None:
+            value = _field_value(fields, f"tokenizer.ggml.{name}_token_id", default_ids.get(name))
+            return value if value is not None and 0 <= value < len(tokens) else None
 
-        eos_ids = {
-            _field_value(fields, f"tokenizer.ggml.{name}_token_id")
-            for name in ("eos", "eot", "eom")
-        }
+        eos_ids = {token_id(name) for name in ("eos", "eot", "eom")}
         eos_ids |= {
-            token_id
-            for token_id, (token, token_type) in enumerate(zip(tokens, token_types, strict=False))
+            index
+            for index, (token, token_type) in enumerate(zip(tokens, token_types, strict=False))
             if token_type == _TOKEN_TYPE_CONTROL and token in _END_OF_GENERATION_TEXTS
         }
         eos_ids.discard(None)
         return cls(
             backend,
-            bos_token_id=_field_value(fields, "tokenizer.ggml.bos_token_id"),
-            eos_token_id=_field_value(fields, "tokenizer.ggml.eos_token_id"),
+            bos_token_id=token_id("bos"),
+            eos_token_id=token_id("eos"),
             eos_token_ids=eos_ids,
             chat_template=_field_value(fields, "tokenizer.chat_template"),
-            add_bos=bool(_field_value(fields, "tokenizer.ggml.add_bos_token", False)),
+            add_bos=bool(_field_value(fields, "tokenizer.ggml.add_bos_token", add_bos)),
+            add_eos=bool(_field_value(fields, "tokenizer.ggml.add_eos_token", False)),
         )
 
     @classmethod
@@ -499,6 +974,7 @@ class Tokenizer:
             eos_token_ids=eos_ids or (),
             chat_template=_hf_chat_template(directory, config),
             add_bos=bool(add_bos),
+            add_eos=bool(config.get("add_eos_token", False)),
         )
 
     # --- properties -----------------------------------------------------------------------
@@ -525,7 +1001,9 @@ class Tokenizer:
 
     @property
     def special_token_ids(self) -> frozenset[int]:
-        """Control tokens: never produced by `encode`, dropped by skip_special_tokens."""
+        """Control tokens: never produced by `encode`; skip_special_tokens drops them, but for
+        the markers a tool call is written with (`<|python_tag|>`, `[TOOL_CALLS]`...), which
+        stay in the answer's text for the tool-call parsers."""
         return self._special_token_ids
 
     @property
@@ -537,6 +1015,12 @@ class Tokenizer:
     def add_bos(self) -> bool:
         """Whether the model expects a BOS token before a plain prompt."""
         return self._add_bos
+
+    @property
+    def add_eos(self) -> bool:
+        """Whether the vocabulary asks for an EOS token after a plain prompt (T5-style); read
+        from the model, for callers that build prompts for such models."""
+        return self._add_eos
 
     def backend_json(self) -> str:
         """The vocabulary as a Hugging Face `tokenizer.json` text (grammar engines read it)."""
@@ -551,17 +1035,60 @@ class Tokenizer:
         as transformers' tokenizer does by default: for raw prompts a client templated itself,
         never for text that came from chat messages.
         """
-        backend = self._parsing_backend if parse_special else self._backend
-        ids = backend.encode(text, add_special_tokens=False).ids
+        if not parse_special:
+            ids = self._encode_text(text, at_start=True)
+        elif self._unigram:
+            # The unigram backend would match byte pieces inside the text: split it here.
+            ids = self._encode_parts(text)
+        else:
+            ids = self._parsing_backend.encode(text, add_special_tokens=False).ids
         if add_bos:
             if self._bos_token_id is None:
                 raise ValueError("this vocabulary has no BOS token")
             ids.insert(0, self._bos_token_id)
         return ids
 
+    def _encode_text(self, text: str, *, at_start: bool) -> list[int]:
+        """Plain text; `at_start`: it begins the input (a Metaspace "first" scheme gives only
+        that text the dummy space)."""
+        return (self._plain if at_start else self._plain_inner).encode(text)
+
+    def _encode_parts(
+        self, text: str, restore: Callable[[str], str] = lambda text: text
+    ) -> list[int]:
+        """`text` with its control-token spellings as control tokens and the text between as
+        plain text (after `restore`), the way the backend splits a whole input at its added
+        tokens: whitespace beside an lstrip/rstrip token goes, and only text at the very start
+        counts as the input's start."""
+        ids: list[int] = []
+        start = 0
+        strip_next = False
+        for match in self._special_re.finditer(text):
+            token_id = self._special_by_text[match.group(0)]
+            part = text[start : match.start()]
+            if strip_next:
+                part = part.lstrip()
+            if token_id in self._lstrip_ids:
+                part = part.rstrip()
+            if part:
+                ids += self._encode_text(restore(part), at_start=start == 0)
+            ids.append(token_id)
+            start = match.end()
+            strip_next = token_id in self._rstrip_ids
+        part = text[start:]
+        if strip_next:
+            part = part.lstrip()
+        if part:
+            ids += self._encode_text(restore(part), at_start=start == 0)
+        return ids
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        """The text of `ids`; byte sequences that are not valid UTF-8 become U+FFFD."""
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """The text of `ids` as a whole text (a SentencePiece vocabulary's dummy space in
+        front is dropped, as its decoder does); bytes that are not valid UTF-8 become U+FFFD
+        (one per bad sequence for byte-level vocabularies, one per bad byte for SentencePiece
+        ones, as each vocabulary's own decoder does)."""
+        detokenizer = self.detokenizer(skip_special_tokens=skip_special_tokens, standalone=True)
+        return "".join([detokenizer.add(token_id) for token_id in ids]) + detokenizer.flush()
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (a special token's text for control tokens).
@@ -578,12 +1105,28 @@ class Tokenizer:
         return [self.token_bytes(token_id).decode("utf-8", "replace") for token_id in token_ids]
 
     def detokenizer(
-        self, *, stop: Sequence[str] | None = (), skip_special_tokens: bool = True
+        self,
+        *,
+        stop: Sequence[str] | None = (),
+        skip_special_tokens: bool = True,
+        standalone: bool = False,
     ) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer for one generated sequence (`stop`: None or a
-        sequence of stop strings; empty strings are ignored)."""
-        table = self._token_bytes_skipping if skip_special_tokens else self._token_bytes
-        return IncrementalDetokenizer(table, stop=stop)
+        sequence of stop strings; empty strings are ignored).
+
+        A generated sequence continues its prompt, so a SentencePiece word marker at its start
+        is the space the model wrote ("▁Paris" after "The capital is" is " Paris", as vLLM and
+        llama.cpp stream it). With `standalone` the ids are a whole text and the decoder's rule
+        for the start of a text applies (that space is the dummy prefix and is dropped), as in
+        `decode`, which the output then adds up to exactly."""
+        skipping = skip_special_tokens
+        return IncrementalDetokenizer(
+            self._token_bytes_skipping if skipping else self._token_bytes,
+            stop=stop,
+            first_token_bytes=self._first_token_bytes if standalone else None,
+            skipped_ids=self._skipped_ids if skipping else frozenset(),
+            errors=self._decoding.utf8_errors,
+        )
 
     # --- chat -----------------------------------------------------------------------------
 
@@ -618,16 +1161,7 @@ class Tokenizer:
         hidden_messages = look_alikes.hide(_normalize_messages(messages))
         hidden_kwargs = look_alikes.hide(template_kwargs)
         rendered = self._render(hidden_messages, add_generation_prompt, hidden_kwargs)
-        ids: list[int] = []
-        start = 0
-        for match in self._special_re.finditer(rendered):
-            if match.start() > start:
-                ids += self.encode(look_alikes.restore(rendered[start : match.start()]))
-            ids.append(self._special_by_text[match.group(0)])
-            start = match.end()
-        if start < len(rendered):
-            ids += self.encode(look_alikes.restore(rendered[start:]))
-        return ids
+        return self._encode_parts(rendered, look_alikes.restore)
 
     def _render(
         self,
@@ -698,13 +1232,27 @@ class IncrementalDetokenizer:
     emitted). `flush` ends the sequence and returns whatever was held.
 
     With no stop strings, the `add` results plus `flush()` add up to `Tokenizer.decode` of the
-    same ids exactly. Each `add` costs time in proportion to the token and the longest stop
+    same ids exactly (for a detokenizer made with `standalone=True`). Each `add` costs time in proportion to the token and the longest stop
     string, never to the text so far.
     """
 
-    def __init__(self, token_bytes: Sequence[bytes], *, stop: Sequence[str] | None = ()) -> None:
+    def __init__(
+        self,
+        token_bytes: Sequence[bytes],
+        *,
+        stop: Sequence[str] | None = (),
+        first_token_bytes: Sequence[bytes] | None = None,
+        skipped_ids: frozenset[int] = frozenset(),
+        errors: str = "replace",
+    ) -> None:
+        """`token_bytes[i]` is token i's bytes; `first_token_bytes`, when given, the bytes of
+        a token that starts the text (ids in `skipped_ids` and past the table do not start
+        it); `errors` is the codec error handler for bytes that are not UTF-8."""
         self._token_bytes = token_bytes
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._first_token_bytes = first_token_bytes
+        self._skipped_ids = skipped_ids
+        self._at_start = True
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors=errors)
         # An empty stop string would match before any text; it means nothing.
         self._stops = tuple(dict.fromkeys(s for s in stop or () if s))
         self._stop_prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))
@@ -739,7 +1287,14 @@ class IncrementalDetokenizer:
             return ""
         # Ids past the table (padding rows of a larger embedding) decode to nothing, as in
         # `decode`.
-        data = self._token_bytes[token_id] if 0 <= token_id < len(self._token_bytes) else b""
+        if 0 <= token_id < len(self._token_bytes):
+            data = self._token_bytes[token_id]
+            if self._at_start and token_id not in self._skipped_ids:
+                self._at_start = False
+                if self._first_token_bytes is not None:
+                    data = self._first_token_bytes[token_id]
+        else:
+            data = b""
         return self._emit(self._decoder.decode(data, final=False))
 
     def flush(self) -> str:

@@ -23,6 +23,14 @@ def prepared_weight_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def kernels():
+    """This process's CPU kernels (kvserve.model.kernels.load_kernels): built once, shared."""
+    from kvserve.model.kernels import load_kernels
+
+    return load_kernels()
+
+
+@pytest.fixture(scope="session")
 def model_path():
     from kvserve.model.paths import default_model_path
 
@@ -37,6 +45,28 @@ def loaded_fp32():
     from kvserve.model.loader import load_model
 
     return load_model(None, DeviceConfig(device="cpu", dtype="float32", quantization="none"))
+
+
+def _torch_ops(dtype: str):
+    from kvserve.config import DeviceConfig
+    from kvserve.model.kernels import CpuKernels
+    from kvserve.model.loader import load_model
+
+    none = CpuKernels.none("kernels left out by the test")
+    return load_model(None, DeviceConfig(device="cpu", dtype=dtype, quantization="none"), none)
+
+
+@pytest.fixture(scope="session")
+def loaded_fp32_torch_ops():
+    """The default model in float32 with no CPU kernels at all: torch ops only, what a machine
+    without a C compiler runs (and the CUDA path's ops on the CPU)."""
+    return _torch_ops("float32")
+
+
+@pytest.fixture(scope="session")
+def loaded_bf16_torch_ops(loaded_bf16):
+    """As loaded_fp32_torch_ops in the machine's float dtype (that of loaded_bf16)."""
+    return _torch_ops(str(loaded_bf16.dtype).removeprefix("torch."))
 
 
 @pytest.fixture(scope="session")
@@ -78,6 +108,34 @@ def loaded_int8():
 
 
 @pytest.fixture(scope="session")
+def qwen05_path():
+    """The real Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF (`qwen2.5-coder:0.5b`, 491 MB) in the
+    models directory; `make test` pulls it once (`kvserve pull qwen2.5-coder:0.5b`). Missing,
+    the tests that need it fail saying so."""
+    from kvserve import hub
+
+    path = hub.present(hub.lookup("qwen2.5-coder:0.5b"))
+    if path is None:
+        pytest.fail(
+            f"qwen2.5-coder:0.5b is not in {hub.models_dir()}: run "
+            "`kvserve pull qwen2.5-coder:0.5b` (make test does)"
+        )
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen05_fp32(qwen05_path):
+    """qwen2.5-coder:0.5b in float32 with float linear layers (its blocks dequantized: about
+    2.4 GB), loaded once per session and shared read-only."""
+    from kvserve.config import DeviceConfig
+    from kvserve.model.loader import load_model
+
+    return load_model(
+        str(qwen05_path), DeviceConfig(device="cpu", dtype="float32", quantization="none")
+    )
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(model_path):
     """transformers' own tokenizer for the default GGUF file (an independent reference), loaded
     once per session and shared read-only: a test that must change it works on a copy."""
@@ -100,3 +158,20 @@ def hf_reference(model_path):
     )
     model.eval()
     return model
+
+
+@pytest.fixture(scope="session")
+def minilm_dir():
+    """The all-MiniLM-L6-v2 sentence embedder from its wheel, unzipped in kvserve's cache."""
+    from kvserve.model.paths import minilm_model_dir
+
+    return minilm_model_dir()
+
+
+@pytest.fixture(scope="session")
+def loaded_minilm(minilm_dir):
+    """MiniLM loaded as `kvserve serve <its directory>` loads it (float32 on the CPU), once."""
+    from kvserve.config import DeviceConfig
+    from kvserve.engine.embedding import load_encoder_model
+
+    return load_encoder_model(str(minilm_dir), DeviceConfig(device="cpu"))

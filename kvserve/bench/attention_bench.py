@@ -17,54 +17,64 @@ from collections.abc import Callable
 import torch
 
 from kvserve.bench.model_bench import best_seconds
-from kvserve.model import native
+from kvserve.model.kernels import CpuKernels, load_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 32
 
 
-def _prefill(rows: int, start: int, chunks: int, dtype: torch.dtype) -> Callable[[], None]:
+def _prefill(
+    rows: int, start: int, chunks: int, dtype: torch.dtype, kernels: CpuKernels
+) -> Callable[[], None]:
     """`chunks` prefill chunks of `rows` rows after `start` positions, each its own table."""
     length = start + rows
     per = -(-length // BLOCK)
     tables = torch.arange(chunks * per).view(chunks, per)
     lengths = torch.arange(start + 1, length + 1).repeat(chunks)
     row_tables = torch.arange(chunks).repeat_interleave(rows)
-    return _call(chunks * rows, chunks * per, tables, lengths, row_tables, dtype)
+    return _call(chunks * rows, chunks * per, tables, lengths, row_tables, dtype, kernels)
 
 
-def _decode(rows: int, length: int, dtype: torch.dtype) -> Callable[[], None]:
+def _decode(rows: int, length: int, dtype: torch.dtype, kernels: CpuKernels) -> Callable[[], None]:
     """`rows` decode rows, each a sequence of `length` positions."""
     per = -(-length // BLOCK)
     tables = torch.arange(rows * per).view(rows, per)
-    return _call(rows, rows * per, tables, torch.full((rows,), length), None, dtype)
+    return _call(rows, rows * per, tables, torch.full((rows,), length), None, dtype, kernels)
 
 
-def _call(rows, blocks, tables, lengths, row_tables, dtype) -> Callable[[], None]:
+def _call(rows, blocks, tables, lengths, row_tables, dtype, kernels) -> Callable[[], None]:
     generator = torch.Generator().manual_seed(0)
     kv = torch.randn(2, KV_HEADS, blocks, BLOCK, HEAD_DIM, generator=generator).to(dtype)
     q = torch.randn(rows, HEADS, HEAD_DIM, generator=generator).to(dtype)
     out = torch.empty_like(q)
     scale = HEAD_DIM**-0.5
-    return lambda: native.paged_attention(q, kv, tables, lengths, out, scale, row_tables)
+    return lambda: kernels.paged_attention(q, kv, tables, lengths, out, scale, row_tables)
 
 
-CASES: list[tuple[str, Callable[[torch.dtype], Callable[[], None]]]] = [
-    ("prefill, 512 rows at position 0", lambda d: _prefill(512, 0, 1, d)),
-    ("prefill, 512 rows after 1,536", lambda d: _prefill(512, 1536, 1, d)),
-    ("prefill, 512 rows after 7,488", lambda d: _prefill(512, 7488, 1, d)),
-    ("8 chunks of 65 rows after 863", lambda d: _prefill(65, 863, 8, d)),
-    ("decode, 1 row at 500", lambda d: _decode(1, 500, d)),
-    ("decode, 32 rows at 500", lambda d: _decode(32, 500, d)),
-    ("decode, 32 rows at 2,000", lambda d: _decode(32, 2000, d)),
+Case = Callable[[torch.dtype, CpuKernels], Callable[[], None]]
+CASES: list[tuple[str, Case]] = [
+    ("prefill, 512 rows at position 0", lambda d, k: _prefill(512, 0, 1, d, k)),
+    ("prefill, 512 rows after 1,536", lambda d, k: _prefill(512, 1536, 1, d, k)),
+    ("prefill, 512 rows after 7,488", lambda d, k: _prefill(512, 7488, 1, d, k)),
+    ("8 chunks of 65 rows after 863", lambda d, k: _prefill(65, 863, 8, d, k)),
+    ("decode, 1 row at 500", lambda d, k: _decode(1, 500, d, k)),
+    ("decode, 32 rows at 500", lambda d, k: _decode(32, 500, d, k)),
+    ("decode, 32 rows at 2,000", lambda d, k: _decode(32, 2000, d, k)),
 ]
 
 
-def run(repeats: int = 30, cases=CASES) -> list[tuple[str, str, float]]:
+def run(
+    repeats: int = 30, cases=CASES, kernels: CpuKernels | None = None
+) -> list[tuple[str, str, float]]:
     """(case, dtype, best milliseconds) for each case in float32 and bf16."""
-    if native.library() is None:
-        raise RuntimeError("the C kernels did not build on this machine")
+    kernels = kernels or load_kernels()
+    if not kernels.has("attention"):
+        raise RuntimeError("the C attention kernels did not build on this machine")
     return [
-        (name, str(dtype).removeprefix("torch."), best_seconds(make(dtype), repeats) * 1e3)
+        (
+            name,
+            str(dtype).removeprefix("torch."),
+            best_seconds(make(dtype, kernels), repeats) * 1e3,
+        )
         for name, make in cases
         for dtype in (torch.float32, torch.bfloat16)
     ]

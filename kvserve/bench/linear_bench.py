@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.bench.model_bench import best_seconds
-from kvserve.model import native
+from kvserve.model.kernels import CpuKernels, load_kernels
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
 ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -42,15 +42,18 @@ def _step(weights: list[torch.Tensor], rows: int, product) -> Callable[[], None]
     return call
 
 
-def run(repeats: int = 5, rows=ROWS, weights=None) -> list[tuple[int, float, float]]:
+def run(
+    repeats: int = 5, rows=ROWS, weights=None, kernels: CpuKernels | None = None
+) -> list[tuple[int, float, float]]:
     """(rows, BLAS ms, row product ms) per row count."""
-    if not native.f32_gemm_available():
+    kernels = kernels or load_kernels()
+    if not kernels.f32_row_product:
         raise RuntimeError("the float32 row product needs the C kernels with AVX2 and FMA")
     weights = model_weights() if weights is None else weights
     results = []
     for count in rows:
         blas = _step(weights, count, F.linear)
-        ours = _step(weights, count, native.f32_gemm)
+        ours = _step(weights, count, kernels.f32_gemm)
         results.append(
             (count, best_seconds(blas, repeats) * 1e3, best_seconds(ours, repeats) * 1e3)
         )

@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvserve.model import device_thread
-from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.loader import LoadedModel
 
@@ -73,7 +72,7 @@ def measure_ours(
 
     ids = torch.randint(0, vocab, (prefill_tokens,), generator=generator).to(device)
     table = tuple(range(-(-prefill_tokens // block_size)))
-    meta = build_metadata([_Chunk(0, prefill_tokens, table, True)], block_size, device)
+    meta = model.attention.build_metadata([_Chunk(0, prefill_tokens, table, True)], block_size)
     prefill = prefill_tokens / best_seconds(lambda: _sync(model.forward(ids, meta, cache)), repeats)
 
     decode: dict[int, float] = {}
@@ -82,7 +81,7 @@ def measure_ours(
             _Chunk(context, 1, tuple(range(r * blocks_per_seq, (r + 1) * blocks_per_seq)), True)
             for r in range(num_rows)
         ]
-        meta = build_metadata(chunks, block_size, device)
+        meta = model.attention.build_metadata(chunks, block_size)
         ids = torch.randint(0, vocab, (num_rows,), generator=generator).to(device)
         seconds = best_seconds(lambda m=meta, i=ids: _sync(model.forward(i, m, cache)), repeats)
         decode[num_rows] = num_rows / seconds

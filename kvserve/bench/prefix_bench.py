@@ -23,8 +23,8 @@ from kvserve.bench.loadgen import WORDS
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import LoadedModel
+from kvserve.params import SamplingParams
 from kvserve.request import GenerationRequest
-from kvserve.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

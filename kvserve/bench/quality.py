@@ -27,7 +27,6 @@ import torch
 from kvserve.config import DeviceConfig
 from kvserve.core.plan import ChunkPlan
 from kvserve.model import device_thread, loader
-from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import LoadedModel, load_model
@@ -71,9 +70,11 @@ Q4_BOTH = QualityConfig("4-bit blocks + int8 KV cache", Q4_LINEAR.device, torch.
 CONFIGS = (FLOAT32, BF16, INT8_LINEAR, INT8_LINEAR_F32, INT8_KV, INT8_BOTH, Q4_LINEAR, Q4_BOTH)
 
 
-def missing_kernels(config: QualityConfig) -> str | None:
+def missing_kernels(config: QualityConfig, kernels=None) -> str | None:
     """Why `config` cannot run on this CPU (its C kernels were not built here), or None."""
-    return loader.missing_kernels(config.device.quantization, config.kv_cache_dtype == torch.int8)
+    return loader.missing_kernels(
+        config.device.quantization, config.kv_cache_dtype == torch.int8, kernels
+    )
 
 
 def quality_text(topics: Sequence[str] = TOPICS) -> str:
@@ -102,7 +103,7 @@ def chunk_logits(
     for start in range(0, len(ids), chunk_size):
         count = min(chunk_size, len(ids) - start)
         chunk = ChunkPlan("text", 0, start, count, blocks, is_prefill=True, samples=True)
-        meta = build_metadata([chunk], block_size, device, native=model.native)
+        meta = model.attention.build_metadata([chunk], block_size)
         # every row's logits, not only the chunk's last one (the engine samples that one)
         meta.logits_indices = torch.arange(count, device=device)
         yield model.forward(tokens[start : start + count].to(device), meta, cache).float()

@@ -194,11 +194,38 @@ def viewer_section(args: argparse.Namespace) -> tuple[list[str], dict]:
     return lines, {"ratio": result.ratio, "events": result.num_events}
 
 
+def embedding_section(args: argparse.Namespace) -> tuple[list[str], dict]:
+    """MiniLM through `kvserve serve` next to transformers' BertModel on the same sentences."""
+    from kvserve.bench.embedding_bench import (
+        EmbeddingBenchResult,
+        bench_sentences,
+        format_embedding_table,
+        reference_seconds,
+        server_seconds,
+    )
+    from kvserve.model.paths import minilm_model_dir
+
+    model_dir = minilm_model_dir()
+    sentences = bench_sentences(args.embedding_sentences)
+    reference = reference_seconds(model_dir, sentences, batch_size=32)
+    with serving(str(model_dir)) as url:
+        served = server_seconds(url, sentences, concurrency=8, per_request=args.embedding_batch)
+    result = EmbeddingBenchResult(len(sentences), 8, args.embedding_batch, 32, served, reference)
+    print(f"  kvserve / transformers: {result.ratio:.2f}x", flush=True)
+    lines = [
+        f"### Embeddings (`kvserve serve` all-MiniLM-L6-v2, {len(sentences)} sentences of 4-40 "
+        "words; transformers in the same run)\n",
+        format_embedding_table(result),
+        "",
+    ]
+    return lines, result.to_dict()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make bench", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--only",
-        default="model,engine,http,prefix,bigmodel,viewer,cluster,admission",
+        default="model,engine,http,prefix,bigmodel,viewer,cluster,embeddings,admission",
         help="comma list of sections",
     )
     parser.add_argument(
@@ -225,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-conversations", type=int, default=8)
     parser.add_argument("--prefix-turns", type=int, default=10)
     parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument(
+        "--embedding-sentences", type=int, default=1000, help="sentences the embeddings run sends"
+    )
+    parser.add_argument(
+        "--embedding-batch", type=int, default=16, help="sentences in one embeddings request"
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="auto", help="auto | none | int8 (linear layers)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | model | int8")
@@ -454,6 +487,11 @@ def main(argv: list[str] | None = None) -> int:
     if "viewer" in sections:
         print("engine viewer benchmark...", flush=True)
         lines, raw["viewer"] = viewer_section(args)
+        out += lines
+
+    if "embeddings" in sections:
+        print("embeddings benchmark...", flush=True)
+        lines, raw["embeddings"] = embedding_section(args)
         out += lines
 
     text = "\n".join(out)

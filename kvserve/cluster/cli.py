@@ -90,6 +90,13 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         print("kvserve cluster: --replicas must be at least 1", file=sys.stderr)
         return 2
+    from kvserve.cli import resolve_model_argument
+
+    # Resolved (and pulled, with --pull) here; the replicas on this machine find it in place.
+    problem = resolve_model_argument(args)
+    if problem is not None:
+        print(f"kvserve cluster: {problem}", file=sys.stderr)
+        return 2
     try:
         import ray
         from ray import serve

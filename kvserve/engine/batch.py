@@ -20,7 +20,6 @@ from kvserve.engine.prompt_logprobs import score_rows
 from kvserve.engine.sampler import RowState, Sampler
 from kvserve.engine.stream import TokenLogprob
 from kvserve.engine.structured import start_bitmasks
-from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.llama import LlamaModel
 
@@ -106,7 +105,7 @@ class Batch:
             if state.grammar is not None and not self.sampler.guesses(state)
         ]
         masks = start_bitmasks(grammars, self.model.config.vocab_size) if grammars else None
-        meta = build_metadata(plan.chunks, self.block_size, self.device, native=self.model.native)
+        meta = self.model.attention.build_metadata(plan.chunks, self.block_size)
         scoring = _scoring(plan, scored) if scored else None
         if scoring is not None:
             meta.logits_indices = torch.tensor(

@@ -71,6 +71,7 @@ from kvserve.core import (
     make_sequences,
 )
 from kvserve.engine.batch import Batch, Sampled, StepOutput
+from kvserve.engine.embedding import Embedder, EmbeddingJob, EmbeddingObserver, decoder_embedder
 from kvserve.engine.sampler import RowState, Sampler, make_generator
 from kvserve.engine.stream import Delta, Stream, TokenLogprob, Usage
 from kvserve.engine.structured import GrammarError, GrammarState, StructuredOutputManager
@@ -91,8 +92,9 @@ from kvserve.request import (
 log = logging.getLogger("kvserve.engine")
 
 
-class EngineObserver:
-    """Hooks for metrics and logs; every method is a no-op here. Called on the loop thread."""
+class EngineObserver(EmbeddingObserver):
+    """Hooks for metrics and logs (embeddings' too); every method is a no-op here. Called on
+    the loop thread."""
 
     def on_admitted(self, state: RequestState) -> None: ...
 
@@ -139,6 +141,18 @@ class Observers(EngineObserver):
     def on_step(self, plan: StepPlan, seconds: float) -> None:
         for observer in self.observers:
             observer.on_step(plan, seconds)
+
+    def on_embedding_finished(self, job: EmbeddingJob) -> None:
+        for observer in self.observers:
+            observer.on_embedding_finished(job)
+
+    def on_embedding_rejected(self, reason: str) -> None:
+        for observer in self.observers:
+            observer.on_embedding_rejected(reason)
+
+    def on_embedding_batch(self, num_inputs: int, num_tokens: int, seconds: float) -> None:
+        for observer in self.observers:
+            observer.on_embedding_batch(num_inputs, num_tokens, seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +295,10 @@ class _WakingSignal(CapacitySignal):
 
 
 class Engine:
-    """Continuous batching over a shared paged KV pool. Create, `await start()`, then `submit`."""
+    """Continuous batching over a shared paged KV pool. Create, `await start()`, then `submit`.
+    Its model also embeds: `embedder` (kvserve/engine/embedding.py), once started."""
+
+    generates = True
 
     def __init__(
         self,
@@ -294,6 +311,8 @@ class Engine:
         self.config = config
         self.loaded = loaded or load_model(config.model, config.device)
         self.tokenizer = self.loaded.tokenizer
+        if config.chat_template is not None:
+            self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)
         self.model_config = self.loaded.config
         self.recorder = StepRecorder() if record_steps else None
         observers = [o for o in (observer, self.recorder) if o is not None]
@@ -334,7 +353,11 @@ class Engine:
         self._signal: CapacitySignal | None = None
         self.scheduler: Scheduler | None = None
         self.queue = AdmissionQueue.from_config(config.queue, config.scheduler.max_num_seqs)
-        self.batch = Batch(self.loaded.model, self.kv_cache, Sampler(seed=config.seed))
+        self.batch = Batch(
+            self.loaded.model,
+            self.kv_cache,
+            Sampler(seed=config.seed, kernels=self.loaded.kernels),
+        )
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
         self._requests: dict[str, RequestState] = {}
         self._answers: dict[str, tuple[RequestState, Answer]] = {}  # by sequence id
@@ -342,6 +365,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self.num_steps = 0
+        self.embedder: Embedder | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -358,6 +382,8 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self.structured.warm()
         self._task = asyncio.create_task(self._run(), name="kvserve-engine")
+        self.embedder = decoder_embedder(self)
+        await self.embedder.start()
 
     async def stop(self) -> None:
         """End every request (finish reason "shutdown"), let the step in flight land, stop."""
@@ -366,6 +392,8 @@ class Engine:
         self._stopping = True
         self._wake.set()
         try:
+            if self.embedder is not None:
+                await self.embedder.stop()
             await self._task
         finally:
             self._task = None

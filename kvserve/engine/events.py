@@ -33,6 +33,7 @@ from kvserve.engine.engine import EngineObserver
 
 if TYPE_CHECKING:
     from kvserve.core import StepPlan
+    from kvserve.engine.embedding import EmbeddingJob
     from kvserve.engine.engine import Engine, RequestState
 
 __all__ = ["EngineEvents", "Viewer", "engine_snapshot"]
@@ -99,6 +100,27 @@ def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
     prefix cache with no owner in `cached_free` (empty when prefix caching is off). Preempted
     sequences, first in line to resume, are listed in `preempted`.
     """
+    embedder = engine.embedder
+    embeddings = {
+        "waiting": 0 if embedder is None else embedder.num_waiting,
+        "running": 0 if embedder is None else embedder.num_running,
+    }
+    if not engine.generates:
+        # An embedding-only engine has no slots, pool or generation queue to show.
+        empty_pool = {"num_blocks": 0, "block_size": 0, "num_used": 0, "num_free": 0}
+        pool_view = {**empty_pool, "tables": {}, "reserved": {}, "shared": {}, "cached_free": []}
+        return {
+            "step": 0,
+            "num_running": 0,
+            "num_waiting": 0,
+            "num_preempted": 0,
+            "num_preemptions": 0,
+            "slots": [],
+            "preempted": [],
+            "pool": pool_view,
+            "queue": [],
+            "embeddings": embeddings,
+        }
     scheduler = engine.scheduler
     pool = engine.pool
     slots: list[dict[str, Any] | None] = [None] * engine.config.scheduler.max_num_seqs
@@ -167,13 +189,30 @@ def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
             "cached_free": cached_free,
         },
         "queue": queue,
+        "embeddings": embeddings,
     }
 
 
 def engine_settings(engine: Engine) -> dict[str, Any]:
     """The configuration a viewer needs to draw the engine (sent once, on connect)."""
     config = engine.config
+    if not engine.generates:
+        return {
+            "max_num_seqs": 0,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "prefill_chunk": 0,
+            "admission": config.scheduler.admission,
+            "num_blocks": 0,
+            "block_size": 0,
+            "max_model_len": engine.max_model_len,
+            "max_waiters": 0,
+            "queue_timeout": config.queue.queue_timeout,
+            "prefix_caching": False,
+            "model": engine.loaded.name,
+            "generates": False,
+        }
     return {
+        "generates": True,
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "prefill_chunk": config.scheduler.prefill_chunk,
@@ -226,6 +265,9 @@ class EngineEvents(EngineObserver):
         self._itl_sum = 0.0
         self._itl_count = 0
         self._itl_max = 0.0
+        self._embedded: list[dict[str, Any]] = []
+        self._embedding_batches = 0
+        self._embedding_inputs = 0
 
     def bind(self, engine: Engine) -> None:
         """Snapshot this engine from now on."""
@@ -335,6 +377,38 @@ class EngineEvents(EngineObserver):
             return
         self._preemptions.append({"request_id": state.request_id, "num_sequences": num_sequences})
 
+    def on_embedding_finished(self, job: EmbeddingJob) -> None:
+        if not self._viewers:
+            return
+        end = job.finished_at or time.monotonic()
+        self._embedded.append(
+            {
+                "request_id": job.request_id,
+                "outcome": job.outcome,
+                "num_inputs": len(job.inputs),
+                "num_tokens": job.num_tokens,
+                "ms": round(1000 * (end - job.arrival_time)),
+            }
+        )
+        if job.outcome == "queue_timeout":
+            self._refused.append(
+                {"request_id": job.request_id, "reason": "embedding_queue_timeout", "status": 429}
+            )
+        self._soon()
+
+    def on_embedding_rejected(self, reason: str) -> None:
+        if not self._viewers:
+            return
+        self._refused.append({"request_id": None, "reason": f"embedding_{reason}", "status": 429})
+        self._soon()
+
+    def on_embedding_batch(self, num_inputs: int, num_tokens: int, seconds: float) -> None:
+        if not self._viewers:
+            return
+        self._embedding_batches += 1
+        self._embedding_inputs += num_inputs
+        self._soon()
+
     def on_step(self, plan: StepPlan, seconds: float) -> None:
         if not self._viewers:
             return
@@ -394,6 +468,9 @@ class EngineEvents(EngineObserver):
             "finished": self._finished,
             "refused": self._refused,
             "preemptions": self._preemptions,
+            "embedded": self._embedded,
+            "embedding_batches": self._embedding_batches,
+            "embedding_inputs": self._embedding_inputs,
             "num_tokens": self._num_tokens,
             "ttft_ms": self._ttft,
             "itl_ms": {

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from kvserve.cli import add_engine_arguments, engine_config_from_args
+from kvserve.cli import add_engine_arguments, engine_config_from_args, resolve_model_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Stream the answer to stdout; 2 when the model is not here (the message says how to
+    pull a catalogue model)."""
+    problem = resolve_model_argument(args)
+    if problem is not None:
+        print(f"kvserve generate: {problem}", file=sys.stderr)
+        return 2
     from kvserve.engine.llm import LLM
     from kvserve.params import SamplingParams
 

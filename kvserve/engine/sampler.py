@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.structured import GrammarState, fill_bitmasks
-from kvserve.model import native
+from kvserve.model.kernels import CpuKernels
 from kvserve.params import SamplingParams
 
 # Below this temperature, dividing logits overflows float32; such rows are sampled greedily,
@@ -103,11 +103,13 @@ class Sampler:
     """Samples one token per row of a `[rows, vocab]` logits tensor on any device.
 
     Not thread-safe: one engine loop owns it. `seed` fixes the sampler's own generator, used for
-    rows whose request brought no seed; None seeds it from the operating system.
+    rows whose request brought no seed; None seeds it from the operating system. `kernels`:
+    the CPU kernels for masks and argmax on CPU logits (None: torch ops).
     """
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, kernels: CpuKernels | None = None) -> None:
         self._seed = seed
+        self.kernels = kernels if kernels is not None and kernels.families else None
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -183,7 +185,7 @@ class Sampler:
             masked = [i for i in constrained if not self.guesses(rows[i])]
             if guessing:
                 index = torch.tensor(guessing, device=processed.device)
-                best = _argmax(processed.index_select(0, index)).tolist()
+                best = _argmax(processed.index_select(0, index), self.kernels).tolist()
                 missed = [
                     i
                     for i, token in zip(guessing, best, strict=True)
@@ -198,10 +200,10 @@ class Sampler:
                 if masked:
                     if bitmask is None:
                         bitmask = fill_bitmasks([rows[i].grammar for i in masked], vocab_size)
-                    apply_token_bitmask(processed, bitmask, masked)
+                    apply_token_bitmask(processed, bitmask, masked, self.kernels)
                 if missed:
                     missed_mask = fill_bitmasks([rows[i].grammar for i in missed], vocab_size)
-                    apply_token_bitmask(processed, missed_mask, missed)
+                    apply_token_bitmask(processed, missed_mask, missed, self.kernels)
         return processed
 
     def sample(
@@ -230,10 +232,12 @@ class Sampler:
 
         if greedy_indices:
             if len(greedy_indices) == num_rows:
-                token_ids = _argmax(processed)
+                token_ids = _argmax(processed, self.kernels)
             else:
                 index_tensor = torch.tensor(greedy_indices, device=device)
-                token_ids[index_tensor] = _argmax(processed.index_select(0, index_tensor))
+                token_ids[index_tensor] = _argmax(
+                    processed.index_select(0, index_tensor), self.kernels
+                )
         if random_indices:
             random_rows = [rows[i] for i in random_indices]
             if len(random_indices) == num_rows:
@@ -324,16 +328,21 @@ class Sampler:
         return uniforms
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+def apply_token_bitmask(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    rows: Sequence[int],
+    kernels: CpuKernels | None = None,
+) -> None:
     """In place: ``logits[rows[i], t] = -inf`` wherever bit t of ``bitmask[i]`` is clear.
 
     logits: [num_rows, vocab] float32; bitmask: [len(rows), ceil(vocab / 32)] int32 on the CPU.
-    On the CPU the C kernel does it; elsewhere (or without a compiler) plain tensor ops, never
+    On the CPU the C kernel does it (where `kernels` has it); elsewhere plain tensor ops, never
     a compiled graph.
     """
     on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
-    if on_cpu and logits.stride(1) == 1 and native.library() is not None:
-        native.apply_token_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.int64))
+    if on_cpu and logits.stride(1) == 1 and kernels is not None and kernels.has("bitmask"):
+        kernels.apply_token_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.int64))
         return
     vocab_size = logits.shape[1]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
@@ -347,13 +356,13 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
     logits[index] = logits[index].masked_fill(~allowed, -math.inf)
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def _argmax(logits: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
     """Per-row argmax, ties to the lowest token id. On the CPU, the C kernel (torch's argmax runs
     on one core and takes ~3 ms for 64 rows of a 49k vocabulary, a twentieth of a decode step);
     it passes over NaN, which torch would pick."""
     on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
-    if on_cpu and logits.is_contiguous() and native.library() is not None:
-        return native.topk_rows(logits, 1)[:, 0]
+    if on_cpu and logits.is_contiguous() and kernels is not None and kernels.has("quant_ops"):
+        return kernels.topk_rows(logits, 1)[:, 0]
     return logits.argmax(dim=-1)
 
 

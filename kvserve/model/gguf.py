@@ -7,9 +7,12 @@ header with `struct` takes tens of milliseconds. Tensor data stay in a read-only
 are dequantized by `gguf.quants`.
 
 GGUF names tensors llama.cpp's way (`blk.3.attn_q.weight`); they are handed to the model under
-Hugging Face names. For the `llama` architecture llama.cpp's converter permutes the rows of q and
-k so that RoPE rotates interleaved pairs; we undo that permutation at load and use the
-half-rotation RoPE everywhere (qwen2/qwen3 files are stored unpermuted).
+Hugging Face names, through the file's family (kvserve/model/families/: Gemma's norms and
+Phi-3's fused projections have their own names). For the `llama` architecture llama.cpp's
+converter permutes the rows of q and k so that RoPE rotates interleaved pairs; we undo that
+permutation at load and use the half-rotation RoPE everywhere (the other families' files are
+stored unpermuted). Norm weights are stored as the factors they multiply by (Gemma's 1 + w
+included), which is the form the model takes them in.
 """
 
 from __future__ import annotations
@@ -26,29 +29,10 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from kvserve.model.config import (
-    SUPPORTED_ARCHITECTURES,
-    ModelConfig,
-    RopeScaling,
-    UnsupportedModelError,
-)
+from kvserve.model.config import ModelConfig
+from kvserve.model.families import GGUF_ROPE_TENSORS, Family
+from kvserve.model.families.gguf import config_from_gguf, family_of
 
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -203,57 +187,29 @@ _NUMPY_OF_TYPE = {
 }
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, family: Family) -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for unknown."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match:
+        name = family.gguf_name(match.group(2))
+        if name is not None:
+            return f"model.layers.{match.group(1)}.{name}"
     return None
 
 
-def config_from_fields(fields: Any, tensor_names: set[str]) -> ModelConfig:
-    arch = field_value(fields, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-
-    def key(name: str, default: Any = None) -> Any:
-        return field_value(fields, f"{arch}.{name}", default)
-
-    hidden = int(key("embedding_length"))
-    num_heads = int(key("attention.head_count"))
-    num_kv_heads = int(key("attention.head_count_kv", num_heads))
-    head_dim = int(key("attention.key_length", hidden // num_heads))
-    vocab = key("vocab_size")
-    if vocab is None:
-        vocab = len(field_value(fields, "tokenizer.ggml.tokens", []))
-    scaling = None
-    scaling_type = key("rope.scaling.type")
-    if scaling_type == "linear":
-        scaling = RopeScaling("linear", float(key("rope.scaling.factor", 1.0)))
-    elif scaling_type not in (None, "none"):
-        raise UnsupportedModelError(f"RoPE scaling {scaling_type!r} is not supported")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(key("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
-        rope_scaling=scaling,
-        name=str(field_value(fields, "general.name", "") or ""),
+def config_from_fields(fields: Any, tensors: list[TensorEntry]) -> ModelConfig:
+    """The ModelConfig of a GGUF header (its fields and tensor directory)."""
+    rope = {}
+    for tensor in tensors:
+        if tensor.name in GGUF_ROPE_TENSORS:
+            values = dequantize_tensor(tensor).float().reshape(-1)
+            rope[tensor.name.removesuffix(".weight")] = tuple(values.tolist())
+    return config_from_gguf(
+        lambda key, default=None: field_value(fields, key, default),
+        {t.name for t in tensors},
+        rope,
     )
 
 
@@ -291,20 +247,13 @@ class GGUFCheckpoint:
         self.path = path
         self.header = read_header(path)
         self.fields = self.header.fields
+        self.family = family_of(field_value(self.fields, "general.architecture"))
         self.tensors: dict[str, TensorEntry] = {}
         for tensor in self.header.tensors:
-            name = hf_name(tensor.name)
+            name = hf_name(tensor.name, self.family)
             if name is not None:
                 self.tensors[name] = tensor
-        self.config = config_from_fields(self.fields, {t.name for t in self.header.tensors})
-        self.rope_freqs = next(
-            (t for t in self.header.tensors if t.name == "rope_freqs.weight"), None
-        )
-        if self.rope_freqs is not None:
-            raise UnsupportedModelError(
-                "GGUF files with a rope_freqs tensor (Llama 3.1 long-context scaling) are not "
-                "supported yet; use the Hugging Face directory of the model instead"
-            )
+        self.config = config_from_fields(self.fields, self.header.tensors)
         self.quantization = sorted({t.tensor_type.name for t in self.header.tensors})
 
     def get(self, name: str) -> torch.Tensor | None:
@@ -316,7 +265,7 @@ class GGUFCheckpoint:
     def _unpermuted(self, name: str, rows):
         """The q/k rows of a llama file back in Hugging Face order (any other tensor as is).
         `rows`: a tensor or array whose first axis is the output rows."""
-        if self.config.architecture == "llama":
+        if self.family.gguf_permuted_rope:
             if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
                 return unpermute_rope_rows(rows, self.config.num_heads)
             if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):

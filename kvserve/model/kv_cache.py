@@ -93,9 +93,14 @@ def choose_cache_dtype(requested: str, model) -> tuple[torch.dtype, str]:
     model_dtype = str(model.dtype).removeprefix("torch.")
     if requested == "model":
         return model.dtype, "asked for"
+    from kvserve.model.attention import int8_cache_refusal
+
+    refusal = int8_cache_refusal(model.config)
     if requested == "int8":
+        if refusal is not None:
+            raise ValueError(f"--kv-cache-dtype int8 cannot run this model: {refusal}")
         if not model.supports_int8_kv_cache:
-            from kvserve.model.llama import KV_INT8_REQUIREMENTS
+            from kvserve.model.attention import KV_INT8_REQUIREMENTS
 
             raise ValueError(KV_INT8_REQUIREMENTS)
         return torch.int8, "asked for"
@@ -103,8 +108,12 @@ def choose_cache_dtype(requested: str, model) -> tuple[torch.dtype, str]:
         raise ValueError(f"unknown kv_cache_dtype {requested!r}")
     if model.quantization == "int8" and model.supports_int8_kv_cache:
         return torch.int8, "auto: int8 linear layers, and the int8 cache kernels run here"
+    if model.quantization == "int8" and refusal is not None:
+        return model.dtype, f"auto: {model_dtype}, the int8 cache: {refusal}"
     if model.quantization == "int8":
         return model.dtype, f"auto: {model_dtype}, the int8 cache kernels need AVX512-VNNI"
+    if model.quantization == "gguf":
+        return model.dtype, f"auto: the model's dtype ({model_dtype}) beside the file's blocks"
     if model.quantization == "q4":
         # q4 is picked for answers as close to float32 as a 4-bit file allows: keep the cache
         return model.dtype, f"auto: the model's dtype ({model_dtype}) beside 4-bit weights"

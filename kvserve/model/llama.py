@@ -1,33 +1,61 @@
-"""The Llama-family forward pass over a flat batch of rows (llama, qwen2, qwen3 as flags).
+"""The decoder of every family (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3) over a flat batch of
+rows: one layer loop.
 
-Weights are kept fused where it pays: q|k|v in one matrix, gate|up in one matrix, so a layer is
-four matmuls. RoPE uses the half-rotation form (Hugging Face layout); GGUF checkpoints, which store
-q/k rows permuted for interleaved rotation, are un-permuted by the loader.
+A layer is four products (q|k|v fused, o, gate|up fused, down), each a linear method chosen at
+load for its weight format (kvserve/model/linear/), between the elementwise steps each method's
+activation format fuses (kvserve/model/linear/__init__.py), with one attention backend chosen
+at load (kvserve/model/attention/). The loop below is the only place a layer is written: a
+bias, a norm or a rope change is one edit here. What differs between families is data
+(kvserve/model/config.py, kvserve/model/families/) that the loop reads: q/k norms, post-norms
+(Gemma's "sandwich"), the gate's activation (in each activation format), the embedding scale,
+and, in the attention backend, each layer's window, RoPE, scale and soft cap. Where every layer
+fits a one-call C driver (kvserve/model/drivers.py), the driver runs the same kernels in the
+same order as this loop; a model using a feature the drivers lack runs the loop.
+
+RoPE uses the half-rotation form (Hugging Face layout); GGUF checkpoints, which store q/k rows
+permuted for interleaved rotation, are un-permuted by the loader. The residual stream stays in
+float32 whatever the weights' dtype (as llama.cpp keeps its activations): only products'
+inputs are cast down or quantized. With bf16 weights on a small model the difference decides
+greedy choices between near-tied tokens.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kvserve.model import native, native_q4
-from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.attention import LayerRopes, select_attention
+from kvserve.model.attention.cpu import CpuAttentionMetadata
 from kvserve.model.config import ModelConfig, require_tensor
+from kvserve.model.drivers import BlocksDriver, Int8Driver, Q4Driver
+from kvserve.model.families import Family, family_for
+from kvserve.model.head import BlockEmbedding, BlockHead, FloatHead, QuantizedHead
+from kvserve.model.kernels import CpuKernels, DriverStep
 from kvserve.model.kv_cache import KVCache
-from kvserve.model.linear import Linear
-from kvserve.model.quant import Int8Weight, Int8Weights, quantize_model
-from kvserve.model.quant4 import Q4Weights
+from kvserve.model.linear import LinearMethod, add_residual
+from kvserve.model.linear import q4 as q4_blocks
+from kvserve.model.linear.blocks import BlockActivations, BlockLinear, fused_from_checkpoint
+from kvserve.model.linear.float import FloatFormat, FloatLinear
+from kvserve.model.linear.int8 import (
+    Int8Format,
+    Int8Linear,
+    down_block,
+    residual_rotation,
+    rotate_layer,
+    structured_rotation,
+)
+from kvserve.model.linear.q4 import Q4Format, Q4Linear
+
+log = logging.getLogger("kvserve.model")
 
 # A loader hands tensors over by Hugging Face name, already in HF layout ([out, in], un-permuted).
 TensorSource = Callable[[str], torch.Tensor | None]
 
-KV_INT8_REQUIREMENTS = (
-    "--kv-cache-dtype int8 runs on the CPU kernels (needs a C compiler, a CPU with AVX512-VNNI, "
-    "float32 or bfloat16, and head_dim 64 or 128)"
-)
 INT8_REQUIREMENTS = (
     "--quantization int8 runs on the CPU kernels (needs a C compiler, a CPU device, "
     "float32 or bfloat16, and head_dim 64 or 128)"
@@ -36,189 +64,147 @@ Q4_REQUIREMENTS = (
     "--quantization q4 runs on the CPU kernels (needs a C compiler, a CPU with AVX512-VNNI, "
     "float32 or bfloat16, head_dim 64 or 128, and a GGUF file whose layers are Q4_0/Q4_1)"
 )
-
-# Candidates per row whose logits are recomputed in float32 when the weights are bf16/fp16.
-REFINE_TOP_K = 16
+PRODUCTS = ("qkv", "o", "gate_up", "down")
+QUANTIZATIONS = ("none", "int8", "q4", "gguf")
+GGUF_REQUIREMENTS = (
+    "--quantization gguf runs on the CPU kernels (needs a C compiler, a CPU with AVX2, "
+    "float32 or bfloat16, head_dim 64 or 128, and a GGUF file whose layers are in block "
+    "formats the kernels take: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)"
+)
+# Below this hidden size the activation blocks take 12 bits, not 8: measured through the
+# kernels, 8 bits cost the 0.5B Qwen2.5 (896 wide) 0.08% of perplexity, but turn a near tie of
+# the 576-wide SmolLM2-135M ("Paris") into another answer (kvserve/model/linear/blocks.py).
+FINE_ACTIVATIONS_BELOW = 768
 
 
 @dataclass(slots=True)
-class LayerWeights:
-    attn_norm: torch.Tensor  # [hidden], float32
-    qkv: torch.Tensor  # [q + 2 kv, hidden]
-    qkv_bias: torch.Tensor | None  # [q + 2 kv]
-    qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: q_norm rows then k_norm rows
-    o: torch.Tensor  # [hidden, q]
-    mlp_norm: torch.Tensor  # [hidden], float32
-    gate_up: torch.Tensor  # [2 intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+class DecoderLayer:
+    qkv: LinearMethod  # [q + 2 kv, hidden]: q, k, v rows (Hugging Face order), their bias
+    o: LinearMethod  # [hidden, q]
+    gate_up: LinearMethod  # [2 intermediate, hidden]: gate rows, then up rows
+    down: LinearMethod  # [hidden, intermediate]
+    attn_norm: torch.Tensor | None  # [hidden] float32; None when folded into q|k|v
+    mlp_norm: torch.Tensor | None  # [hidden] float32; None when folded into gate|up
+    qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim] float32: q_norm rows, k_norm rows
+    # [hidden] float32: the norms on the attention and MLP outputs (Gemma), never folded
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+
+    @property
+    def norms(self) -> tuple[torch.Tensor | None, ...]:
+        return (
+            self.attn_norm,
+            self.mlp_norm,
+            self.qk_norm,
+            self.post_attn_norm,
+            self.post_mlp_norm,
+        )
+
+
+NORMS = ("attn_norm", "mlp_norm", "qk_norm", "post_attn_norm", "post_mlp_norm")
 
 
 class LlamaModel:
-    """A Llama-family decoder. Stateless apart from weights: the KV cache is passed in."""
+    """A Llama-family decoder. Stateless apart from weights: the KV cache is passed in.
+
+    `quantization` names the layers' weight format ("none", "int8", "q4", "gguf": the file's
+    blocks); `kernels` are the CPU kernels (None on CUDA); `rotation` ([hidden, hidden] float32)
+    rotates embedded rows into the basis the int8 products read; `head` computes logits
+    (kvserve/model/head.py). `embed` is the float table, or a `BlockEmbedding` left in the
+    file's blocks (then `dtype` names the model dtype)."""
 
     def __init__(
         self,
         config: ModelConfig,
-        embed: torch.Tensor,
-        layers: list[LayerWeights],
+        embed: torch.Tensor | BlockEmbedding,
+        layers: list[DecoderLayer],
         norm: torch.Tensor,
-        lm_head: torch.Tensor,
-        quantization: str = "none",
+        lm_head: torch.Tensor | None,
         *,
-        prepared: Int8Weights | Q4Weights | None = None,
-        qk_norms: list[torch.Tensor | None] | None = None,
+        quantization: str = "none",
+        kernels: CpuKernels | None = None,
+        rotation: torch.Tensor | None = None,
+        head: FloatHead | QuantizedHead | BlockHead | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        """`prepared`: int8 weights prepared earlier (the weight cache) for quantization "int8",
-        with `layers` empty and the layers' q/k norms in `qk_norms`; for "q4", the 4-bit
-        weights (kvserve/model/quant4.py), which every "q4" model is built from."""
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {quantization!r} (use none, int8 or q4)")
         self.config = config
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
         self.norm = norm  # [hidden], float32
-        self.lm_head = lm_head  # [vocab, hidden] (the same tensor as embed when tied)
-        # Per layer: (q|k|v, o, gate|up, down) as prepared products. The int8 path replaces
-        # them, so it skips their float packing (seconds for a 1B model).
-        float_products = quantization == "none"
-        self.projections = [
-            (Linear(w.qkv, w.qkv_bias), Linear(w.o), Linear(w.gate_up), Linear(w.down))
-            for w in (layers if float_products else [])
-        ]
-        self.head = Linear(lm_head) if float_products else None
-        self.dtype = embed.dtype
-        self.device = embed.device
-        self.scale = config.head_dim**-0.5
-        self.native = native.supports(
-            self.device, self.dtype, config.num_heads, config.num_kv_heads, config.head_dim
-        )
-        # The fused C layer ops (norms, RoPE + cache write, SiLU); q/k norms, where the model
-        # has them, run in torch between the qkv product and the RoPE + cache write kernel.
-        self.fused = self.native
-        self.qk_norms = [w.qk_norm for w in layers] if qk_norms is None else qk_norms
-        self._build_rope_tables(config.max_position_embeddings)
+        self.lm_head = lm_head  # [vocab, hidden] (the same tensor as embed when tied), or None
+        self.dtype = dtype or embed.dtype
+        self.device = embed.device if isinstance(embed, torch.Tensor) else torch.device("cpu")
+        self.kernels = kernels if self.device.type == "cpu" else None
         self.quantization = quantization
-        self.int8: Int8Weights | None = None
-        self.q4: Q4Weights | None = None
-        if quantization == "int8":
-            self._quantize_int8(prepared)
-        elif quantization == "q4":
-            if not isinstance(prepared, Q4Weights):
-                raise ValueError("a q4 model is built from its 4-bit weights (quant4.prepare)")
-            if not self.fused or not native_q4.q4_available():
-                raise ValueError(Q4_REQUIREMENTS)
-            self.q4 = prepared
-        elif quantization != "none":
-            raise ValueError(f"unknown quantization {quantization!r} (use none, int8 or q4)")
+        self.rotation = rotation
+        self.head = head or FloatHead(
+            norm, lm_head, config.rms_norm_eps, self.kernels, config.final_logit_softcapping
+        )
+        # Gemma: sqrt(hidden) rounded to the model dtype, as transformers multiplies by it
+        self.embed_scale = (
+            torch.tensor(config.hidden_size**0.5, dtype=self.dtype)
+            if config.scale_embeddings
+            else None
+        )
+        ropes = LayerRopes.build(config, self.device)
+        self.attention = select_attention(config, self.dtype, self.device, self.kernels, ropes)
+        self.driver: Int8Driver | Q4Driver | BlocksDriver | None = None
+        self.driver_reason = self._choose_driver()
+
+    def _choose_driver(self) -> str:
+        """Set the one-call driver where every layer fits one; returns what was chosen or why
+        none (for the load log)."""
+        if self.quantization == "none":
+            return "float layers run the layer loop"
+        if self.kernels is None or self.attention.name != "cpu-paged":
+            return "the layer loop (no CPU kernels)"
+        driver_class = {"int8": Int8Driver, "q4": Q4Driver, "gguf": BlocksDriver}[self.quantization]
+        reason = driver_class.unsupported(self.layers, self.kernels, self.config)
+        if reason is not None:
+            log.info("%s layers run the layer loop: %s", self.quantization, reason)
+            return f"the layer loop ({reason})"
+        if driver_class is Int8Driver:
+            block = self.layers[0].gate_up.input.down_block if self.layers else 1
+            self.driver = Int8Driver(self.layers, self.config, self.kernels, block)
+        else:
+            self.driver = driver_class(self.layers, self.config, self.kernels)
+        return f"the {self.driver.name} driver"
+
+    def with_driver(self, enabled: bool) -> LlamaModel:
+        """A model sharing these weights that runs its layers through the one-call driver
+        (when one fits, as chosen at load) or, with `enabled=False`, through the layer loop."""
+        twin = copy.copy(self)
+        if not enabled:
+            twin.driver = None
+        elif twin.driver is None:
+            twin.driver_reason = twin._choose_driver()
+        return twin
+
+    def with_attention(self, backend) -> LlamaModel:
+        """A model sharing these weights that attends through `backend` (its layers then run
+        the layer loop unless the driver's backend is kept)."""
+        twin = copy.copy(self)
+        twin.attention = backend
+        if backend.name != "cpu-paged":
+            twin.driver = None
+        return twin
+
+    def torch_attention(self) -> LlamaModel:
+        """A model sharing these weights that attends by torch ops (the CUDA path's backend)."""
+        from kvserve.model.attention.sdpa import TorchPagedAttention
+
+        ropes = self.attention.ropes
+        return self.with_attention(TorchPagedAttention(self.config, self.dtype, self.device, ropes))
 
     @property
     def supports_int8_kv_cache(self) -> bool:
-        """Whether this model can run on an int8 KV cache (the fused CPU path writes and reads
-        it; kvserve/model/csrc/kv_int8.c)."""
-        return self.fused and native.kv_int8_available()
-
-    def _quantize_int8(self, prepared: Int8Weights | None = None) -> None:
-        """Replace the linear layers by rotated int8 ones (kvserve/model/quant.py), or take
-        `prepared` ones. The float layer weights are dropped."""
-        if not self.fused:
-            raise ValueError(INT8_REQUIREMENTS)
-        if not hasattr(torch, "_int_mm"):
-            raise ValueError("--quantization int8 needs torch._int_mm (torch >= 2.2)")
-        self.int8 = prepared or quantize_model(self.config, self.layers, self.norm, self.lm_head)
-        if self.config.qk_norm:
-            self.int8.native_layers = None  # the one-call C driver has no q/k norm step
-        self.layers = []
-        self.projections = []
-        self.head = None  # the int8 head picks candidates; self.lm_head recomputes them
+        """Whether this model can run on an int8 KV cache (the CPU attention backend writes and
+        reads it; kvserve/model/csrc/kv_int8.c)."""
+        return self.attention.supports_int8_cache
 
     # -- construction -------------------------------------------------------------------------
-
-    def prepared_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-        """Everything an int8 or q4 model is made of, for the weight cache: tensors by name
-        (the tied lm_head once) and the integers that complete them. See `from_prepared`."""
-        quantized = self.int8 or self.q4
-        if quantized is None:
-            raise ValueError("only int8 and q4 models have prepared weights to cache")
-        tensors, numbers = quantized.to_tensors()
-        tensors = {f"{self.quantization}.{name}": t for name, t in tensors.items()}
-        tensors |= {"embed": self.embed, "norm": self.norm}
-        if self.lm_head is not self.embed:
-            tensors["lm_head"] = self.lm_head
-        if self.int8 is not None:
-            for index, qk_norm in enumerate(self.qk_norms):
-                if qk_norm is not None:
-                    tensors[f"qk_norm.{index}"] = qk_norm
-        return tensors, numbers
-
-    @classmethod
-    def from_prepared(
-        cls, config: ModelConfig, tensors: dict[str, torch.Tensor], numbers: dict[str, int]
-    ) -> LlamaModel:
-        """The int8 or q4 model `prepared_tensors` described, using the tensors where they lie
-        (memory-mapped from the weight cache: nothing is rotated, quantized or packed)."""
-        embed = tensors["embed"]
-        lm_head = tensors.get("lm_head", embed)
-        if any(name.startswith("q4.") for name in tensors):
-            q4 = Q4Weights.from_tensors(
-                {name[3:]: t for name, t in tensors.items() if name.startswith("q4.")},
-                numbers,
-                config,
-            )
-            qk_norms = [layer.qk_norm for layer in q4.layers]
-            return cls(
-                config, embed, [], tensors["norm"], lm_head, "q4", prepared=q4, qk_norms=qk_norms
-            )
-        prepared = Int8Weights.from_tensors(
-            {name[5:]: t for name, t in tensors.items() if name.startswith("int8.")}, numbers
-        )
-        qk_norms = [tensors.get(f"qk_norm.{i}") for i in range(config.num_layers)]
-        if config.qk_norm and any(n is None for n in qk_norms):
-            raise KeyError("prepared weights lack the q/k norms")
-        return cls(
-            config,
-            embed,
-            [],
-            tensors["norm"],
-            lm_head,
-            "int8",
-            prepared=prepared,
-            qk_norms=qk_norms,
-        )
-
-    @classmethod
-    def from_q4(
-        cls,
-        config: ModelConfig,
-        checkpoint,
-        *,
-        dtype: torch.dtype,
-        progress: Callable[[int], None] | None = None,
-    ) -> LlamaModel:
-        """A model whose layers keep the 4-bit blocks of a GGUF checkpoint (kvserve/model/
-        quant4.py; `quant4.unsupported` says whether it can). CPU only."""
-        from kvserve.model import quant4
-
-        def need(name: str) -> torch.Tensor:
-            return require_tensor(checkpoint.get, name)
-
-        embed = need("model.embed_tokens.weight").to(dtype).contiguous()
-        if progress:
-            progress(1)
-        layers = quant4.load_layers(checkpoint, config, progress)
-        norm = need("model.norm.weight").float().contiguous()
-        head = None if config.tie_word_embeddings else checkpoint.get("lm_head.weight")
-        lm_head = embed if head is None else head.to(dtype).contiguous()
-        weights = quant4.prepare(config, layers, norm, lm_head)
-        if progress:
-            progress(1)
-        return cls(
-            config,
-            embed,
-            [],
-            norm,
-            lm_head,
-            "q4",
-            prepared=weights,
-            qk_norms=[layer.qk_norm for layer in layers],
-        )
 
     @classmethod
     def from_tensors(
@@ -230,12 +216,35 @@ class LlamaModel:
         device: torch.device,
         progress: Callable[[int], None] | None = None,
         quantization: str = "none",
+        kernels: CpuKernels | None = None,
+        family: Family | None = None,
     ) -> LlamaModel:
-        """Build from tensors named as in Hugging Face checkpoints, fusing as it goes.
+        """Build from tensors named as in Hugging Face checkpoints, fusing as it goes: float
+        layers ("none") or int8 ones ("int8": rotated and quantized, see linear/int8.py).
 
-        `get(name)` returns a float tensor (any dtype, on CPU) or None when absent. Layers are
-        fused and moved one at a time so peak memory stays near the size of one layer.
+        `get(name)` returns a float tensor (any dtype, on CPU) or None when absent, norm
+        weights as the factors they multiply by (kvserve/model/families/). `family` names the
+        checkpoint's tensors (default: the architecture's). Layers are fused, converted and
+        moved one at a time so peak memory stays near one layer's.
         """
+        family = family or family_for(config.architecture)
+        if quantization == "int8" and (
+            kernels is None
+            or device.type != "cpu"
+            or not kernels.supports(
+                device, dtype, config.num_heads, config.num_kv_heads, config.head_dim
+            )
+            or not kernels.has("quant_ops")
+        ):
+            raise ValueError(INT8_REQUIREMENTS)
+        if (
+            quantization == "int8"
+            and kernels.int8_gemm_isa is None
+            and not hasattr(torch, "_int_mm")
+        ):
+            raise ValueError("--quantization int8 needs torch._int_mm (torch >= 2.2)")
+        if quantization not in ("none", "int8"):
+            raise ValueError(f"from_tensors builds float or int8 layers, not {quantization!r}")
 
         def need(name: str) -> torch.Tensor:
             return require_tensor(get, name)
@@ -243,344 +252,593 @@ class LlamaModel:
         def place(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.to(device=device, dtype=dtype).contiguous()
 
-        def place_norm(tensor: torch.Tensor) -> torch.Tensor:
+        def place_float(tensor: torch.Tensor) -> torch.Tensor:
             # Norms act on the float32 residual stream.
             return tensor.to(device=device, dtype=torch.float32).contiguous()
 
         embed = place(need("model.embed_tokens.weight"))
         if progress:
             progress(1)
+        int8 = quantization == "int8"
+        sandwich = config.sandwich_norms
+        residual = None
+        if int8:  # post-norms rotate at run time: a rotation cheap to apply there
+            rotate = structured_rotation if sandwich else residual_rotation
+            residual = rotate(config.hidden_size)
+        block = down_block(config.intermediate_size)
+        activation = config.hidden_activation
+        int8_input = None
+        if int8:
+            int8_input = Int8Format(kernels, block, activation)
+            if sandwich:
+                int8_input.residual_signs = residual.signs.contiguous()
+                int8_input.residual_block = down_block(config.hidden_size)
+        float_input = FloatFormat(dtype, kernels, activation)
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat(
-                [need(p + f"self_attn.{n}_proj.weight").to(dtype) for n in ("q", "k", "v")]
-            )
+            weight_dtype = torch.float32 if int8 else dtype
+            qkv = torch.cat([need(p + f"{n}.weight").to(weight_dtype) for n in family.qkv])
             bias = None
             if config.attention_bias:
-                bias = place(
-                    torch.cat([need(p + f"self_attn.{n}_proj.bias").float() for n in "qkv"])
+                bias = torch.cat([need(p + f"{n}.bias").float() for n in family.qkv])
+            qk_norm = _qk_norm_rows(config, need, p)
+            qk_norm = None if qk_norm is None else place_float(qk_norm)
+            gate_up = torch.cat([need(p + f"{n}.weight").to(weight_dtype) for n in family.gate_up])
+            o = need(p + "self_attn.o_proj.weight").to(weight_dtype)
+            down = need(p + "mlp.down_proj.weight").to(weight_dtype)
+            attn_norm = place_float(need(p + "input_layernorm.weight"))
+            mlp_norm = place_float(need(p + f"{family.mlp_norm}.weight"))
+            post_attn_norm = post_mlp_norm = None
+            if sandwich:
+                post_attn_norm = place_float(need(p + f"{family.post_attention_norm}.weight"))
+                post_mlp_norm = place_float(need(p + f"{family.post_mlp_norm}.weight"))
+            if int8:
+                r = rotate_layer(
+                    config,
+                    qkv,
+                    bias,
+                    o,
+                    gate_up,
+                    down,
+                    attn_norm,
+                    mlp_norm,
+                    residual,
+                    block,
+                    writes_residual=not sandwich,
                 )
-            qk_norm = None
-            if config.qk_norm:
-                qn = need(p + "self_attn.q_norm.weight").float()
-                kn = need(p + "self_attn.k_norm.weight").float()
-                qk_norm = place(
-                    torch.cat([qn.expand(config.num_heads, -1), kn.expand(config.num_kv_heads, -1)])
-                )
-            gate_up = torch.cat(
-                [need(p + f"mlp.{n}_proj.weight").to(dtype) for n in ("gate", "up")]
-            )
-            layers.append(
-                LayerWeights(
-                    attn_norm=place_norm(need(p + "input_layernorm.weight")),
-                    qkv=place(qkv),
-                    qkv_bias=bias,
+
+                def int8_linear(w, b=None):
+                    return Int8Linear.quantize(w, b, kernels, input=int8_input, dtype=dtype)
+
+                layer = DecoderLayer(
+                    qkv=int8_linear(r.qkv, r.qkv_bias),
+                    o=int8_linear(r.o),
+                    gate_up=int8_linear(r.gate_up),
+                    down=int8_linear(r.down),
+                    attn_norm=None,
+                    mlp_norm=None,
                     qk_norm=qk_norm,
-                    o=place(need(p + "self_attn.o_proj.weight")),
-                    mlp_norm=place_norm(need(p + "post_attention_layernorm.weight")),
-                    gate_up=place(gate_up),
-                    down=place(need(p + "mlp.down_proj.weight")),
+                    post_attn_norm=post_attn_norm,
+                    post_mlp_norm=post_mlp_norm,
+                )
+            else:
+
+                def float_linear(w, b=None):
+                    return FloatLinear(
+                        place(w), None if b is None else place(b), kernels, float_input
+                    )
+
+                layer = DecoderLayer(
+                    qkv=float_linear(qkv, bias),
+                    o=float_linear(o),
+                    gate_up=float_linear(gate_up),
+                    down=float_linear(down),
+                    attn_norm=attn_norm,
+                    mlp_norm=mlp_norm,
+                    qk_norm=qk_norm,
+                    post_attn_norm=post_attn_norm,
+                    post_mlp_norm=post_mlp_norm,
+                )
+            layers.append(layer)
+            if progress:
+                progress(1)
+        norm = place_float(need("model.norm.weight"))
+        head_weight = None if config.tie_word_embeddings else get("lm_head.weight")
+        lm_head = embed if head_weight is None else place(head_weight)
+        if progress:
+            progress(1)
+        if not int8:
+            return cls(config, embed, layers, norm, lm_head, kernels=kernels)
+        rotation = residual.matrix().contiguous()
+        head = QuantizedHead(
+            Int8Linear.quantize(residual.right(lm_head.float() * norm[None, :]), None, kernels),
+            norm,
+            lm_head,
+            config.rms_norm_eps,
+            kernels,
+            to_model=rotation.t().contiguous(),
+            softcap=config.final_logit_softcapping,
+        )
+        return cls(
+            config,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            quantization="int8",
+            kernels=kernels,
+            rotation=rotation,
+            head=head,
+        )
+
+    @classmethod
+    def from_q4(
+        cls,
+        config: ModelConfig,
+        checkpoint,
+        *,
+        dtype: torch.dtype,
+        kernels: CpuKernels,
+        progress: Callable[[int], None] | None = None,
+    ) -> LlamaModel:
+        """A model whose layers keep the 4-bit blocks of a GGUF checkpoint (linear/q4.py;
+        `q4.unsupported` says whether it can). CPU only."""
+        if kernels is None or not kernels.q4:
+            raise ValueError(Q4_REQUIREMENTS)
+        family = checkpoint.family
+        q4_input = Q4Format(kernels, config.hidden_activation)
+
+        def need(name: str) -> torch.Tensor:
+            return require_tensor(checkpoint.get, name)
+
+        embed = need("model.embed_tokens.weight").to(dtype).contiguous()
+        if progress:
+            progress(1)
+        layers = []
+
+        def post_norm(name: str) -> torch.Tensor | None:
+            return need(name).float().contiguous() if config.sandwich_norms else None
+
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            qk_norm = _qk_norm_rows(config, need, p)
+            products = {
+                name: q4_blocks.load_projection(
+                    checkpoint,
+                    p,
+                    names,
+                    kernels,
+                    bias=name == "qkv" and config.attention_bias,
+                    input=q4_input,
+                )
+                for name, names in family.projections().items()
+            }
+            layers.append(
+                DecoderLayer(
+                    **products,
+                    attn_norm=need(p + "input_layernorm.weight").float().contiguous(),
+                    mlp_norm=need(p + f"{family.mlp_norm}.weight").float().contiguous(),
+                    qk_norm=qk_norm,
+                    post_attn_norm=post_norm(p + f"{family.post_attention_norm}.weight"),
+                    post_mlp_norm=post_norm(p + f"{family.post_mlp_norm}.weight"),
                 )
             )
             if progress:
                 progress(1)
-        norm = place_norm(need("model.norm.weight"))
-        head = None if config.tie_word_embeddings else get("lm_head.weight")
-        lm_head = embed if head is None else place(head)
+        norm = need("model.norm.weight").float().contiguous()
+        head_weight = None if config.tie_word_embeddings else checkpoint.get("lm_head.weight")
+        lm_head = embed if head_weight is None else head_weight.to(dtype).contiguous()
         if progress:
             progress(1)
-        return cls(config, embed, layers, norm, lm_head, quantization)
+        residual = residual_rotation(config.hidden_size)
+        head = QuantizedHead(
+            Int8Linear.quantize(residual.right(lm_head.float() * norm[None, :]), None, kernels),
+            norm,
+            lm_head,
+            config.rms_norm_eps,
+            kernels,
+            to_head=residual.matrix().contiguous(),
+            softcap=config.final_logit_softcapping,
+        )
+        return cls(
+            config, embed, layers, norm, lm_head, quantization="q4", kernels=kernels, head=head
+        )
 
-    def _build_rope_tables(self, max_positions: int) -> None:
-        inv = torch.tensor(self.config.inverse_frequencies(), dtype=torch.float32)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
-        cos, sin = angles.cos(), angles.sin()
-        # Half rotation: x*cos + rotate_half(x)*sin, with rotate_half(x) = [-x2, x1]. Written as
-        # x*cos + roll(x, half)*sin_signed where sin_signed = [-sin, sin]: one op fewer per layer.
-        self.rope_cos = torch.cat([cos, cos], dim=-1).to(self.device, self.dtype)
-        self.rope_sin = torch.cat([-sin, sin], dim=-1).to(self.device, self.dtype)
-        # The fused kernel reads the half tables in float32: [max_positions, head_dim / 2].
-        self.rope_cos_half = cos.contiguous()
-        self.rope_sin_half = sin.contiguous()
+    @classmethod
+    def from_gguf(
+        cls,
+        config: ModelConfig,
+        checkpoint,
+        *,
+        dtype: torch.dtype,
+        kernels: CpuKernels,
+        fine: bool | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> LlamaModel:
+        """A model whose products keep a GGUF file's blocks, each tensor in its own format
+        (kvserve/model/linear/blocks.py): the layers, and the lm_head (or the tied embedding)
+        packed for the block product; the embedding table left in the mapped file. `fine`:
+        12-bit activation blocks (default: below FINE_ACTIVATIONS_BELOW hidden)."""
+        if not kernels.blocks_isa or not kernels.supports(
+            torch.device("cpu"), dtype, config.num_heads, config.num_kv_heads, config.head_dim
+        ):
+            raise ValueError(GGUF_REQUIREMENTS)
+        if fine is None:
+            fine = config.hidden_size < FINE_ACTIVATIONS_BELOW
+        family = checkpoint.family
+        activations = BlockActivations(kernels, fine, config.hidden_activation)
+
+        def need(name: str) -> torch.Tensor:
+            return require_tensor(checkpoint.get, name).float().contiguous()
+
+        def post_norm(name: str) -> torch.Tensor | None:
+            return need(name) if config.sandwich_norms else None
+
+        embed_name = "model.embed_tokens.weight"
+        embed = BlockEmbedding(
+            checkpoint.tensor_type(embed_name), checkpoint.raw_rows(embed_name), config.hidden_size
+        )
+        if progress:
+            progress(1)
+        layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            products = {}
+            for name, parts in family.projections().items():
+                biases = None
+                if name == "qkv" and config.attention_bias:
+                    biases = [p + n + ".bias" for n in parts]
+                products[name] = fused_from_checkpoint(
+                    checkpoint, [p + n + ".weight" for n in parts], kernels, biases, activations
+                )
+            layers.append(
+                DecoderLayer(
+                    **products,
+                    attn_norm=need(p + "input_layernorm.weight"),
+                    mlp_norm=need(p + f"{family.mlp_norm}.weight"),
+                    qk_norm=_qk_norm_rows(config, need, p),
+                    post_attn_norm=post_norm(p + f"{family.post_attention_norm}.weight"),
+                    post_mlp_norm=post_norm(p + f"{family.post_mlp_norm}.weight"),
+                )
+            )
+            if progress:
+                progress(1)
+        norm = need("model.norm.weight")
+        head_name = embed_name if config.tie_word_embeddings else "lm_head.weight"
+        head_weights = fused_from_checkpoint(checkpoint, [head_name], kernels)
+        head = BlockHead(
+            head_weights,
+            norm,
+            checkpoint.tensor_type(head_name),
+            checkpoint.raw_rows(head_name),
+            config.rms_norm_eps,
+            kernels,
+            softcap=config.final_logit_softcapping,
+        )
+        if progress:
+            progress(1)
+        return cls(
+            config,
+            embed,
+            layers,
+            norm,
+            None,
+            quantization="gguf",
+            kernels=kernels,
+            head=head,
+            dtype=dtype,
+        )
+
+    def prepared_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """Everything an int8 or q4 model is made of, for the weight cache: tensors by name
+        (the tied lm_head once) and the integers that complete them. See `from_prepared`."""
+        if self.quantization == "none":
+            raise ValueError("only int8, q4 and gguf models have prepared weights to cache")
+        head = self.head
+        tensors = {"norm": self.norm} | head.head.to_tensors("head")
+        if isinstance(self.embed, torch.Tensor):  # the GGUF path reads its table from the file
+            tensors["embed"] = self.embed
+        if self.lm_head is not None and self.lm_head is not self.embed:
+            tensors["lm_head"] = self.lm_head
+        for name in ("to_head", "to_model"):
+            if getattr(head, name, None) is not None:
+                tensors[f"head.{name}"] = getattr(head, name)
+        if self.rotation is not None:
+            tensors["rotation"] = self.rotation
+        numbers = {
+            "num_layers": len(self.layers),
+            "q4": int(self.quantization == "q4"),
+            "gguf": int(self.quantization == "gguf"),
+        }
+        if self.quantization == "gguf" and self.layers:
+            numbers["fine"] = int(self.layers[0].qkv.input.fine)
+        for index, layer in enumerate(self.layers):
+            prefix = f"layers.{index}"
+            for name in PRODUCTS:
+                method = getattr(layer, name)
+                tensors |= method.to_tensors(f"{prefix}.{name}")
+                if isinstance(method, Q4Linear):
+                    numbers |= method.numbers(f"{prefix}.{name}")
+            for name in NORMS:
+                if getattr(layer, name) is not None:
+                    tensors[f"{prefix}.{name}"] = getattr(layer, name)
+        if self.quantization == "int8" and self.layers:
+            int8_input = self.layers[0].gate_up.input
+            numbers["down_block"] = int8_input.down_block
+            if int8_input.residual_signs is not None:
+                tensors["residual_signs"] = int8_input.residual_signs
+                numbers["residual_block"] = int8_input.residual_block
+        return tensors, numbers
+
+    @classmethod
+    def from_prepared(
+        cls,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        numbers: dict[str, int],
+        *,
+        kernels: CpuKernels,
+        checkpoint=None,
+        dtype: torch.dtype | None = None,
+    ) -> LlamaModel:
+        """The int8, q4 or gguf model `prepared_tensors` described, using the tensors where they
+        lie (memory-mapped from the weight cache: nothing is rotated, quantized or packed). A
+        gguf model also reads its embedding table and head rows from `checkpoint` (the mapped
+        GGUF file) and is in `dtype`."""
+        if numbers.get("gguf"):
+            return cls._from_prepared_gguf(config, tensors, numbers, kernels, checkpoint, dtype)
+        embed = tensors["embed"]
+        dtype = embed.dtype
+        lm_head = tensors.get("lm_head", embed)
+        norm = tensors["norm"]
+        q4 = bool(numbers["q4"])
+        if q4 and not kernels.q4:
+            raise ValueError(Q4_REQUIREMENTS)
+        if int(numbers["num_layers"]) != config.num_layers:
+            raise KeyError("prepared weights hold another number of layers")
+        activation = config.hidden_activation
+        int8_input = None
+        if not q4:
+            int8_input = Int8Format(kernels, int(numbers["down_block"]), activation)
+            if config.sandwich_norms:
+                if "residual_signs" not in tensors:
+                    raise KeyError("prepared weights lack the residual rotation's signs")
+                int8_input.residual_signs = tensors["residual_signs"]
+                int8_input.residual_block = int(numbers["residual_block"])
+        layers = []
+        for index in range(config.num_layers):
+            prefix = f"layers.{index}"
+            if q4:
+                products = {
+                    name: Q4Linear.from_tensors(
+                        tensors,
+                        numbers,
+                        f"{prefix}.{name}",
+                        input=Q4Format(kernels, activation),
+                        kernels=kernels,
+                    )
+                    for name in PRODUCTS
+                }
+            else:
+                products = {
+                    name: Int8Linear.from_tensors(
+                        tensors, f"{prefix}.{name}", input=int8_input, kernels=kernels, dtype=dtype
+                    )
+                    for name in PRODUCTS
+                }
+            layers.append(
+                DecoderLayer(
+                    **products, **{name: tensors.get(f"{prefix}.{name}") for name in NORMS}
+                )
+            )
+            if config.qk_norm and layers[-1].qk_norm is None:
+                raise KeyError("prepared weights lack the q/k norms")
+            if config.sandwich_norms and layers[-1].post_mlp_norm is None:
+                raise KeyError("prepared weights lack the post-norms")
+        head = QuantizedHead(
+            Int8Linear.from_tensors(tensors, "head", kernels=kernels),
+            norm,
+            lm_head,
+            config.rms_norm_eps,
+            kernels,
+            to_head=tensors.get("head.to_head"),
+            to_model=tensors.get("head.to_model"),
+            softcap=config.final_logit_softcapping,
+        )
+        return cls(
+            config,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            quantization="q4" if q4 else "int8",
+            kernels=kernels,
+            rotation=tensors.get("rotation"),
+            head=head,
+        )
+
+    @classmethod
+    def _from_prepared_gguf(cls, config, tensors, numbers, kernels, checkpoint, dtype):
+        if checkpoint is None or dtype is None:
+            raise KeyError("prepared GGUF blocks need their file and the model dtype")
+        if int(numbers["num_layers"]) != config.num_layers:
+            raise KeyError("prepared weights hold another number of layers")
+        if not kernels.blocks_isa:
+            raise ValueError(GGUF_REQUIREMENTS)
+        activations = BlockActivations(kernels, bool(numbers["fine"]), config.hidden_activation)
+        layers = []
+        for index in range(config.num_layers):
+            prefix = f"layers.{index}"
+            products = {
+                name: BlockLinear.from_tensors(tensors, f"{prefix}.{name}", kernels, activations)
+                for name in PRODUCTS
+            }
+            layers.append(
+                DecoderLayer(
+                    **products, **{name: tensors.get(f"{prefix}.{name}") for name in NORMS}
+                )
+            )
+            if layers[-1].attn_norm is None or layers[-1].mlp_norm is None:
+                raise KeyError("prepared weights lack the norms")
+            if config.qk_norm and layers[-1].qk_norm is None:
+                raise KeyError("prepared weights lack the q/k norms")
+            if config.sandwich_norms and layers[-1].post_mlp_norm is None:
+                raise KeyError("prepared weights lack the post-norms")
+        embed_name = "model.embed_tokens.weight"
+        head_name = embed_name if config.tie_word_embeddings else "lm_head.weight"
+        embed = BlockEmbedding(
+            checkpoint.tensor_type(embed_name), checkpoint.raw_rows(embed_name), config.hidden_size
+        )
+        norm = tensors["norm"]
+        head = BlockHead(
+            BlockLinear.from_tensors(tensors, "head", kernels),
+            norm,
+            checkpoint.tensor_type(head_name),
+            checkpoint.raw_rows(head_name),
+            config.rms_norm_eps,
+            kernels,
+            softcap=config.final_logit_softcapping,
+        )
+        return cls(
+            config,
+            embed,
+            layers,
+            norm,
+            None,
+            quantization="gguf",
+            kernels=kernels,
+            head=head,
+            dtype=dtype,
+        )
 
     @property
     def num_bytes(self) -> int:
-        quantized = self.int8 or self.q4
-        if quantized is not None:
-            tensors = [self.embed, self.norm] + (
-                [] if self.lm_head is self.embed else [self.lm_head]
-            )
-            return quantized.num_bytes + sum(t.numel() * t.element_size() for t in tensors)
-        tensors = [self.embed, self.norm]
-        if self.lm_head is not self.embed:
+        """Bytes of the weights (a table left in the mapped file counted at its file size)."""
+        tensors = [self.norm]
+        if isinstance(self.embed, torch.Tensor):
+            tensors.append(self.embed)
+        if self.lm_head is not None and self.lm_head is not self.embed:
             tensors.append(self.lm_head)
+        if self.rotation is not None:
+            tensors.append(self.rotation)
+        total = sum(t.numel() * t.element_size() for t in tensors) + self.head.num_bytes
+        if isinstance(self.embed, BlockEmbedding):
+            total += self.embed.num_bytes
+        return total + self.layer_bytes
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of the layers' weights and norms: what a decode step reads of them."""
+        total = 0
         for layer in self.layers:
-            tensors += [t for t in vars_of(layer) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+            total += sum(getattr(layer, name).num_bytes for name in PRODUCTS)
+            total += sum(t.numel() * t.element_size() for t in layer.norms if t is not None)
+        return total
+
+    @property
+    def weight_bytes_per_step(self) -> int:
+        """What one decode step reads of the weights: every layer's products, the head's int8
+        product and rotations, the residual rotation (not the float lm_head's refined rows)."""
+        rotation = 0 if self.rotation is None else self.rotation.numel() * 4
+        if isinstance(self.head, QuantizedHead | BlockHead):
+            head = self.head.num_bytes
+        else:
+            head = self.lm_head.numel() * self.lm_head.element_size()
+        return self.layer_bytes + head + rotation
 
     # -- forward ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(
-        self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
-    ) -> torch.Tensor:
-        """Run one step. token_ids: [rows] long. Returns float32 logits
-        `[len(meta.logits_indices), vocab]` for the rows that sample.
+    def forward(self, token_ids: torch.Tensor, meta, kv_cache: KVCache) -> torch.Tensor:
+        """Run one step. token_ids: [rows] long; `meta` from `self.attention.build_metadata`.
+        Returns float32 logits `[len(meta.logits_indices), vocab]` for the rows that sample."""
+        x = self._residual(token_ids, meta, kv_cache)
+        return self.head.logits(x[meta.logits_indices])
 
-        The residual stream stays in float32 whatever the weights' dtype (as llama.cpp keeps
-        its activations): only matmul inputs are cast down. With bf16 weights on a small model
-        the difference decides greedy choices between near-tied tokens.
-        """
-        if kv_cache.quantized and not self.supports_int8_kv_cache:
-            raise ValueError(KV_INT8_REQUIREMENTS)
-        if self.native:
-            # The C kernels trust the indices they are handed: check them once for the step.
-            native.check_step_indices(
-                meta,
-                kv_cache.num_blocks,
-                kv_cache.block_size,
-                self.rope_cos_half.shape[0],
-                token_ids.shape[0],
-            )
-        if self.int8 is not None:
-            return self._forward_int8(token_ids, meta, kv_cache)
-        if self.q4 is not None:
-            return self._forward_q4(token_ids, meta, kv_cache)
-        if self.fused and self.native:
-            return self._forward_fused(token_ids, meta, kv_cache)
-        cfg = self.config
-        dtype = self.dtype
-        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
-        num_heads, num_kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        rows = token_ids.shape[0]
-        qk_size = cfg.q_size + cfg.kv_size
-        half = head_dim // 2
-        # cos, sin: [rows, 1, head_dim]
-        cos = self.rope_cos[meta.positions].unsqueeze(1)
-        sin = self.rope_sin[meta.positions].unsqueeze(1)
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: torch.Tensor, meta, kv_cache: KVCache) -> torch.Tensor:
+        """The final norm's output of every row, in the model's basis: [rows, hidden] float32
+        (what embeddings pool). The same step as `forward`, without the head."""
+        x = self._residual(token_ids, meta, kv_cache)
+        if self.rotation is not None:  # back from the basis the int8 products read
+            x = self.kernels.rotate_rows(x, self.rotation.t().contiguous())
+        return F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
 
-        x = F.embedding(token_ids, self.embed).float()  # [rows, hidden] residual, fp32
-        for index, layer in enumerate(self.layers):
-            qkv_proj, o_proj, gate_up_proj, down_proj = self.projections[index]
-            h = F.rms_norm(x, (hidden,), layer.attn_norm, eps).to(dtype)
-            qkv = qkv_proj(h)  # [rows, q + 2 kv]
-            qk = qkv[:, :qk_size].view(rows, num_heads + num_kv_heads, head_dim)
-            if layer.qk_norm is not None:
-                qk = F.rms_norm(qk, (head_dim,), None, eps) * layer.qk_norm
-            qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
-            v = qkv[:, qk_size:].view(rows, num_kv_heads, head_dim)
-            attn = paged_attention(
-                qk[:, :num_heads],
-                qk[:, num_heads:],
-                v,
-                kv_cache.layer(index),
-                meta,
-                self.scale,
-                self.native,
-            )
-            x.add_(o_proj(attn))
-            h = F.rms_norm(x, (hidden,), layer.mlp_norm, eps).to(dtype)
-            gate, up = gate_up_proj(h).chunk(2, dim=-1)
-            x.add_(down_proj(F.silu(gate) * up))
-
-        x = F.rms_norm(x[meta.logits_indices], (hidden,), self.norm, eps)
-        return self.logits(x)
-
-    def _forward_fused(
-        self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
-    ) -> torch.Tensor:
-        """The same computation as `forward` with the elementwise work in C kernels: a layer is
-        four matmuls, attention, and four kernel calls (norm, RoPE + cache write, norm, SiLU)."""
-        cfg = self.config
-        dtype, eps = self.dtype, cfg.rms_norm_eps
-        layers = self.layers
-
-        x = F.embedding(token_ids, self.embed).float()  # [rows, hidden] residual, fp32
-        h = native.add_rmsnorm(x, None, layers[0].attn_norm, eps, dtype)
-        for index, layer in enumerate(layers):
-            qkv_proj, o_proj, gate_up_proj, down_proj = self.projections[index]
-            qkv = qkv_proj(h)  # [rows, q + 2 kv]
-            attn = self._attend_native(qkv, index, meta, kv_cache)
-            h = native.add_rmsnorm(x, o_proj(attn), layer.mlp_norm, eps, dtype)
-            down = down_proj(native.silu_mul(gate_up_proj(h)))
-            if index + 1 < len(layers):
-                h = native.add_rmsnorm(x, down, layers[index + 1].attn_norm, eps, dtype)
-            else:
-                x.add_(down)
-
-        x = F.rms_norm(x[meta.logits_indices], (cfg.hidden_size,), self.norm, eps)
-        return self.logits(x)
-
-    def _attend_native(
-        self, qkv: torch.Tensor, index: int, meta: AttentionMetadata, kv_cache: KVCache
-    ) -> torch.Tensor:
-        """Layer `index` of the fused paths: rotate q and k of `qkv` ([rows, q + 2 kv] in the
-        model dtype) in place, write k and v into the cache, attend. Returns [rows, q]."""
-        cfg = self.config
-        rows, heads, kv_heads, head_dim = (
-            qkv.shape[0],
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        q_size, qk_size = cfg.q_size, cfg.q_size + cfg.kv_size
-        kv_layer, kv_scales = kv_cache.layer(index), kv_cache.layer_scales(index)
-        qk_norm = self.qk_norms[index]
-        if qk_norm is not None:
-            # qk: [rows, heads + kv_heads, head_dim], normalized per head before RoPE
-            qk = qkv[:, :qk_size].view(rows, heads + kv_heads, head_dim)
-            qk.copy_(F.rms_norm(qk.float(), (head_dim,), None, cfg.rms_norm_eps) * qk_norm)
-        native.rope_store(
-            qkv,
-            meta.positions,
-            self.rope_cos_half,
-            self.rope_sin_half,
-            meta.slot_mapping,
-            kv_layer,
-            heads,
-            kv_heads,
-            head_dim,
-            kv_scales,
-        )
-        return paged_attention(
-            qkv[:, :q_size].view(rows, heads, head_dim),
-            qkv[:, q_size:qk_size].view(rows, kv_heads, head_dim),
-            qkv[:, qk_size:].view(rows, kv_heads, head_dim),
-            kv_layer,
-            meta,
-            self.scale,
-            native=True,
-            store=False,
-            kv_scales=kv_scales,
-        )
-
-    def _forward_int8(
-        self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
-    ) -> torch.Tensor:
-        """The fused path with int8 linear layers (kvserve/model/quant.py): each product takes
-        int8 rows with their scales and gives int32, which the next kernel dequantizes."""
-        cfg = self.config
-        dtype, eps = self.dtype, cfg.rms_norm_eps
-        num_heads, num_kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        rows, q_size = token_ids.shape[0], cfg.q_size
-        weights = self.int8
-        last = len(weights.layers) - 1
-
-        # [rows, hidden] residual, fp32, in the rotated basis
-        x = native.rotate_rows(F.embedding(token_ids, self.embed).float(), weights.rotation)
-        if weights.native_layers is not None:
-            native.forward_int8(
-                x,
-                weights.native_layers,
-                kv_cache.kv,
-                kv_cache.scales,
-                heads=num_heads,
-                kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                intermediate=cfg.intermediate_size,
-                down_block=weights.down_block,
-                eps=eps,
-                scale=self.scale,
-                dtype=dtype,
-                **self._driver_step(meta),
-            )
-            return self._int8_logits(x[meta.logits_indices])
-        q, s = native.add_rmsnorm_q8(x, None, None, None, eps)
-        for index, layer in enumerate(weights.layers):
-            qkv = native.dequantize(layer.qkv.matmul(q), s, layer.qkv.scale, layer.qkv.bias, dtype)
-            attn = self._attend_native(qkv, index, meta, kv_cache)
-            q, s = native.quantize_rows(attn.view(rows, q_size))
-            q, s = native.add_rmsnorm_q8(x, layer.o.matmul(q), s, layer.o.scale, eps)
-            q, s = native.silu_mul_q8(
-                layer.gate_up.matmul(q), s, layer.gate_up.scale, weights.down_block
-            )
-            acc = layer.down.matmul(q)
-            if index < last:
-                q, s = native.add_rmsnorm_q8(x, acc, s, layer.down.scale, eps)
-            else:
-                native.add_rmsnorm_q8(x, acc, s, layer.down.scale, eps, normalize=False)
-
-        return self._int8_logits(x[meta.logits_indices])
-
-    def _driver_step(self, meta: AttentionMetadata) -> dict[str, torch.Tensor]:
-        """What the one-call layer drivers read of a step: positions and RoPE tables, cache
-        slots and block tables, each row's table and length."""
-        return {
-            "positions": meta.positions,
-            "cos_half": self.rope_cos_half,
-            "sin_half": self.rope_sin_half,
-            "slots": meta.slot_mapping,
-            "tables": meta.chunk_tables,
-            "row_tables": meta.row_tables,
-            "lengths": meta.row_lengths,
-        }
-
-    def _forward_q4(
-        self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
-    ) -> torch.Tensor:
-        """The fused path with the weights in their 4-bit blocks (kvserve/model/quant4.py):
-        every layer in one call to the C driver (kvserve/model/csrc/forward_q4.c)."""
-        x = F.embedding(token_ids, self.embed).float()  # [rows, hidden] residual, fp32
-        native_q4.forward_q4(
-            x,
-            self.q4.native_layers,
-            kv_cache.kv,
-            kv_cache.scales,
-            config=self.config,
-            scale=self.scale,
-            dtype=self.dtype,
-            **self._driver_step(meta),
-        )
-        x = x[meta.logits_indices]
-        return self._quantized_logits(
-            native.rotate_rows(x, self.q4.rotation), self.q4.head, unrotated=x
-        )
-
-    def _int8_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 logits of the rows x ([rows, hidden] float32, the rotated residual after the
-        last layer)."""
-        return self._quantized_logits(x, self.int8.head, native.rotate_rows(x, self.int8.inverse))
-
-    def _quantized_logits(
-        self, x: torch.Tensor, head: Int8Weight, unrotated: torch.Tensor
-    ) -> torch.Tensor:
-        """float32 logits of the rows x ([rows, hidden] float32, the residual after the last
-        layer in the head's rotated basis; `unrotated`: the same rows in the model's basis): the
-        int8 lm_head (final norm folded in) picks each row's candidates, recomputed exactly."""
-        eps = self.config.rms_norm_eps
-        if x.shape[0] == 0:  # a step whose chunks all continue a prompt samples nothing
-            return x.new_empty(0, self.config.vocab_size)
-        q, s = native.add_rmsnorm_q8(x, None, None, None, eps)
-        logits = native.dequantize(head.matmul(q), s, head.scale, None, torch.float32)
-        # The best candidates of each row, exactly, from the rows in the model's basis
-        x = F.rms_norm(unrotated, (self.config.hidden_size,), self.norm, eps)
-        return self._refine(logits, x)
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 logits of normalized hidden states x: [rows, hidden] (float32).
-
-        With low-precision weights the full-vocabulary product is rounded to that precision
-        (bf16 keeps 8 bits: steps of 0.125 around logit 20), so the few best candidates of each
-        row are recomputed exactly in float32. Greedy choices and the head of the distribution
-        are then as exact as the weights allow, for the cost of a [rows, k] product.
-        """
-        if x.shape[0] == 0:  # a step whose chunks all continue a prompt samples nothing
-            return x.new_empty(0, self.config.vocab_size, dtype=torch.float32)
-        if self.dtype == torch.float32:
-            return F.linear(x, self.lm_head) if self.head is None else self.head(x)
-        return self._refine(self.head(x.to(self.dtype)).float(), x)
-
-    def _refine(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Recompute each row's REFINE_TOP_K best logits exactly: x [rows, hidden] float32 are
-        the normalized hidden states the final norm gives (its weight applied)."""
-        if self.native and logits.is_contiguous():
-            top = native.topk_rows(logits, REFINE_TOP_K)  # [rows, k]
+    def _residual(self, token_ids: torch.Tensor, meta, kv_cache: KVCache) -> torch.Tensor:
+        """The residual rows after the last layer: [rows, hidden] float32."""
+        self.attention.check_step(meta, kv_cache, token_ids.shape[0])
+        x = self.embed_rows(token_ids)  # [rows, hidden] residual, fp32
+        if self.rotation is not None:  # into the basis the int8 products read
+            x = self.kernels.rotate_rows(x, self.rotation)
+        if self.driver is not None and isinstance(meta, CpuAttentionMetadata):
+            rope = self.attention.rope
+            self.driver.run(x, DriverStep(meta, rope.cos_half, rope.sin_half), kv_cache, self.dtype)
         else:
-            top = logits.topk(REFINE_TOP_K, dim=-1).indices
-        exact = torch.bmm(self.lm_head[top].float(), x.unsqueeze(-1)).squeeze(-1)
-        return logits.scatter_(1, top, exact)
+            self.run_layers(x, meta, kv_cache)
+        return x
+
+    def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The embedded rows of token_ids ([rows] int64) as float32 [rows, hidden]."""
+        if isinstance(self.embed, BlockEmbedding):
+            x = self.embed(token_ids)
+            if self.embed_scale is not None:  # as llama.cpp: in float32
+                x = x * self.embed_scale.float()
+            return x
+        x = F.embedding(token_ids, self.embed)  # [rows, hidden]
+        if self.embed_scale is not None:  # in the model dtype, as transformers
+            x = x * self.embed_scale
+        return x.float()  # the residual, fp32
+
+    def run_layers(self, x: torch.Tensor, meta, kv_cache: KVCache) -> None:
+        """Every layer on the residual rows x ([rows, hidden] float32, in place): the one
+        layer loop."""
+        eps, dtype = self.config.rms_norm_eps, self.dtype
+        layers = self.layers
+        if not layers:
+            return
+        h = layers[0].qkv.input.normed(x, None, layers[0].attn_norm, eps)
+        for index, layer in enumerate(layers):
+            qkv = layer.qkv.dense(layer.qkv.apply(h))  # [rows, q + 2 kv]
+            if layer.qk_norm is not None:
+                qkv = self._qk_norm(qkv, layer.qk_norm)
+            attn = self.attention.forward(qkv.to(dtype), index, meta, kv_cache)  # [rows, q]
+            y = layer.o.apply(layer.o.input.rows(attn))
+            if layer.post_attn_norm is not None:  # x += rmsnorm(y) * w (Gemma)
+                layer.gate_up.input.add_normed(x, y, layer.post_attn_norm, eps)
+                y = None
+            h = layer.gate_up.input.normed(x, y, layer.mlp_norm, eps)
+            y = layer.down.apply(layer.down.input.gated(layer.gate_up.apply(h)))
+            if layer.post_mlp_norm is not None:
+                layer.down.input.add_normed(x, y, layer.post_mlp_norm, eps)
+                y = None
+            if index + 1 < len(layers):
+                following = layers[index + 1]
+                h = following.qkv.input.normed(x, y, following.attn_norm, eps)
+            elif y is not None:
+                add_residual(x, y)
+
+    def _qk_norm(self, qkv: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The per-head RMSNorm of q and k (qwen3, gemma3) on the q|k|v rows, before RoPE."""
+        cfg = self.config
+        heads = cfg.num_heads + cfg.num_kv_heads
+        if self.kernels is not None and self.kernels.has("layer_ops") and qkv.is_contiguous():
+            self.kernels.qk_norm(qkv, heads, cfg.head_dim, weight, cfg.rms_norm_eps)
+            return qkv
+        # qk: [rows, heads + kv_heads, head_dim]
+        qk = qkv[:, : heads * cfg.head_dim].view(qkv.shape[0], heads, cfg.head_dim)
+        normed = F.rms_norm(qk.float(), (cfg.head_dim,), None, cfg.rms_norm_eps) * weight
+        qk.copy_(normed.to(qk.dtype))
+        return qkv
 
 
-def vars_of(layer: LayerWeights) -> list[torch.Tensor | None]:
-    return [getattr(layer, name) for name in LayerWeights.__slots__]
+def _qk_norm_rows(config: ModelConfig, need, prefix: str) -> torch.Tensor | None:
+    """[heads + kv_heads, head_dim] float32: the q norm's row for every query head, then the k
+    norm's for every KV head (None without q/k norms)."""
+    if not config.qk_norm:
+        return None
+    qn = need(prefix + "self_attn.q_norm.weight").float()
+    kn = need(prefix + "self_attn.k_norm.weight").float()
+    return torch.cat(
+        [qn.expand(config.num_heads, -1), kn.expand(config.num_kv_heads, -1)]
+    ).contiguous()

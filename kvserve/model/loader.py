@@ -14,10 +14,12 @@ import torch
 from tqdm import tqdm
 
 from kvserve.config import DeviceConfig
-from kvserve.model import device_thread, native, native_q4
+from kvserve.model import device_thread
 from kvserve.model.config import ModelConfig
+from kvserve.model.kernels import CpuKernels, load_kernels
+from kvserve.model.linear.blocks import holds_k_quants
 from kvserve.model.llama import LlamaModel
-from kvserve.model.paths import DEFAULT_MODEL_NAME, default_model_path, resolve_model_path
+from kvserve.model.paths import model_name, resolve_model_path
 
 log = logging.getLogger("kvserve.model")
 
@@ -89,11 +91,13 @@ def choose_quantization(
     *,
     dtype_asked: bool = False,
     q4_unsupported: str | None = None,
+    kernels: CpuKernels | None = None,
+    gguf_unsupported: str | None = "not checked",
 ) -> tuple[str, str]:
     """Resolve `--quantization` to "none", "int8" or "q4", with the reason in a few words.
 
     `q4_unsupported` says why `--quantization q4` (the file's 4-bit blocks kept in memory, see
-    kvserve/model/quant4.py) cannot run this checkpoint here; None: it can. `auto` does not pick
+    kvserve/model/linear/q4.py) cannot run this checkpoint here; None: it can. `auto` does not pick
     it: its products take twice the integer multiplies of int8's, so prefill and many streams at
     once run at about half int8's speed, for twice the speed at one stream (docs/serving.md).
 
@@ -109,6 +113,8 @@ def choose_quantization(
     """
     if requested == "q4" and q4_unsupported is not None:
         raise ValueError(f"--quantization q4 cannot run this model here: {q4_unsupported}")
+    if requested == "gguf" and gguf_unsupported is not None:
+        raise ValueError(f"--quantization gguf cannot run this model here: {gguf_unsupported}")
     if requested != "auto":
         return requested, "asked for"
     if dtype_asked:
@@ -116,35 +122,50 @@ def choose_quantization(
     quantized = sorted(set(tensor_types) - FLOAT_TENSOR_TYPES)
     if not quantized:
         return "none", f"auto: the checkpoint is float ({'/'.join(tensor_types)}), kept as it is"
-    if not native.supports(
-        device, dtype, config.num_heads, config.num_kv_heads, config.head_dim
-    ) or not hasattr(torch, "_int_mm"):
+    if holds_k_quants(quantized) and gguf_unsupported is None:
+        return "gguf", (
+            f"auto: the file's blocks kept ({'/'.join(quantized)}), products by "
+            f"{kernels.blocks_isa}"
+        )
+    if (
+        kernels is None
+        or not kernels.supports(
+            device, dtype, config.num_heads, config.num_kv_heads, config.head_dim
+        )
+        or not kernels.has("quant_ops")
+        or not hasattr(torch, "_int_mm")
+    ):
         return "none", (
             f"auto: the checkpoint is quantized ({'/'.join(quantized)}) but the CPU kernels do "
             f"not run it here ({device.type}, {str(dtype).removeprefix('torch.')}, "
             f"head_dim {config.head_dim})"
         )
-    if not native.int8_gemm_available():
+    if not kernels.int8_gemm_isa:
         return "none", (
             f"auto: the checkpoint is quantized ({'/'.join(quantized)}) but kvserve's int8 "
             "product kernel does not run on this CPU (torch._int_mm is slower than float here)"
         )
     return "int8", (
         f"auto: the checkpoint is quantized ({'/'.join(quantized)}); int8 products by "
-        f"{native.int8_gemm_isa()}"
+        f"{kernels.int8_gemm_isa}"
     )
 
 
-def missing_kernels(quantization: str, int8_kv_cache: bool) -> str | None:
+def missing_kernels(
+    quantization: str, int8_kv_cache: bool, kernels: CpuKernels | None = None
+) -> str | None:
     """Why this CPU cannot run a configuration's C kernels (they were not built here), or None.
     int8 linear layers need AVX512-VNNI or AVX2; the int8 KV cache and 4-bit blocks need
     AVX512-VNNI."""
-    if int8_kv_cache and not native.kv_int8_available():
+    kernels = kernels or load_kernels()
+    if int8_kv_cache and not kernels.kv_int8:
         return "the int8 KV cache needs AVX512-VNNI"
-    if quantization == "int8" and not native.int8_gemm_available():
+    if quantization == "int8" and not kernels.int8_gemm_isa:
         return "int8 linear layers need AVX512-VNNI or AVX2"
-    if quantization == "q4" and not native_q4.q4_available():
+    if quantization == "q4" and not kernels.q4:
         return "4-bit blocks need AVX512-VNNI"
+    if quantization == "gguf" and not kernels.blocks_isa:
+        return "GGUF block products need AVX2"
     return None
 
 
@@ -199,28 +220,55 @@ class LoadedModel:
     # The prepared-weight cache at this load: "hit", "written", "rebuilt" (a corrupt file was
     # replaced), "unwritten" (could not write), "off" (disabled or nothing to prepare).
     weight_cache: str = "off"
+    kernels: CpuKernels | None = None  # the CPU kernels the model runs on (None on CUDA)
+
+    def describe_kernels(self) -> str:
+        """The CPU kernels built for this model's run, and how its layers and attention run."""
+        model = self.model
+        kernels = self.kernels.describe() if self.kernels is not None else "CPU kernels: not used"
+        return f"{kernels}\n  layers: {model.driver_reason}; attention: {model.attention.name}"
+
+    def kernels_status(self) -> dict:
+        """The same as plain values (GET /ready's body)."""
+        return {
+            "kernels": None if self.kernels is None else self.kernels.as_dict(),
+            "layers": self.model.driver_reason,
+            "attention": self.model.attention.name,
+        }
 
     def summary(self) -> str:
         cfg = self.config
+        windows = ""
+        if cfg.windowed:
+            count = sum(w is not None for w in cfg.layer_windows)
+            windows = f", sliding window {cfg.sliding_window} on {count}/{cfg.num_layers} layers"
         return (
             f"loaded {self.name}: {cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M params, "
             f"{cfg.num_layers} layers, {str(self.dtype).removeprefix('torch.')}"
             f"{'' if self.model.quantization == 'none' else ' + ' + self.model.quantization} "
             f"on {self.device}, "
             f"weights {self.model.num_bytes / 2**20:.0f} MiB (from {'/'.join(self.quantization)}), "
-            f"context {cfg.max_position_embeddings}, in {self.load_seconds:.1f} s"
+            f"context {cfg.max_position_embeddings}{windows}, in {self.load_seconds:.1f} s"
             f"{'' if self.weight_cache == 'off' else f' (prepared weights: {self.weight_cache})'}"
         )
 
 
-def load_model(model: str | None, device_config: DeviceConfig = DeviceConfig()) -> LoadedModel:
-    """Load weights and tokenizer. `model` is None (the embedded default), a .gguf file or a
-    Hugging Face directory. Nothing is ever downloaded. Runs on the device thread (see
-    kvserve.model.device_thread), whichever thread calls it."""
-    return device_thread.call(_load_model, model, device_config)
+def load_model(
+    model: str | None,
+    device_config: DeviceConfig = DeviceConfig(),
+    kernels: CpuKernels | None = None,
+) -> LoadedModel:
+    """Load weights and tokenizer. `model` is None (the embedded default), a .gguf file, a
+    Hugging Face directory or a catalogue name already pulled (kvserve.hub); nothing is
+    downloaded here. `kernels`: the CPU kernels to run on (default: this process's,
+    `load_kernels()`). Runs on the device thread (see kvserve.model.device_thread), whichever
+    thread calls it."""
+    return device_thread.call(_load_model, model, device_config, kernels)
 
 
-def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
+def _load_model(
+    model: str | None, device_config: DeviceConfig, kernels: CpuKernels | None
+) -> LoadedModel:
     from kvserve.tokenizer import Tokenizer
 
     started = time.perf_counter()
@@ -229,24 +277,31 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
     dtype = resolve_dtype(device_config.dtype, device)
     if device.type == "cpu":
         configure_threads(device_config.num_threads)
+        kernels = kernels or load_kernels()
+    else:
+        kernels = None
     if path.is_dir():
         from kvserve.model.safetensors import SafetensorsCheckpoint
 
         checkpoint = SafetensorsCheckpoint(path)
         tokenizer = Tokenizer.from_hf_dir(path)
-        name = path.name
     else:
         from kvserve.model.gguf import GGUFCheckpoint
 
         checkpoint = GGUFCheckpoint(path)
         tokenizer = Tokenizer.from_gguf(path, fields=checkpoint.fields)
-        name = DEFAULT_MODEL_NAME if path == default_model_path() else path.stem
+    name = model_name(model, path)
     config = checkpoint.config
     q4_unsupported = None
     if device_config.quantization == "q4":
-        from kvserve.model import quant4
+        from kvserve.model.linear import q4
 
-        q4_unsupported = quant4.unsupported(checkpoint, config, device)
+        q4_unsupported = q4.unsupported(checkpoint, config, kernels, device)
+    gguf_unsupported = "not a GGUF file"
+    if not path.is_dir():
+        from kvserve.model.linear import blocks
+
+        gguf_unsupported = blocks.unsupported(checkpoint, config, kernels, device)
     quantization, reason = choose_quantization(
         device_config.quantization,
         checkpoint.quantization,
@@ -255,6 +310,8 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
         dtype,
         dtype_asked=device_config.dtype != "auto",
         q4_unsupported=q4_unsupported,
+        kernels=kernels,
+        gguf_unsupported=gguf_unsupported,
     )
 
     def prepare() -> LlamaModel:
@@ -265,8 +322,14 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
             disable=not sys.stderr.isatty(),
             leave=False,
         ) as bar:
+            if quantization == "gguf":
+                return LlamaModel.from_gguf(
+                    config, checkpoint, dtype=dtype, kernels=kernels, progress=bar.update
+                )
             if quantization == "q4":
-                return LlamaModel.from_q4(config, checkpoint, dtype=dtype, progress=bar.update)
+                return LlamaModel.from_q4(
+                    config, checkpoint, dtype=dtype, kernels=kernels, progress=bar.update
+                )
             return LlamaModel.from_tensors(
                 config,
                 checkpoint.get,
@@ -274,14 +337,22 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
                 device=device,
                 progress=bar.update,
                 quantization=quantization,
+                kernels=kernels,
+                family=checkpoint.family,
             )
 
     cache = None
-    if device_config.weight_cache and quantization in ("int8", "q4") and device.type == "cpu":
+    if (
+        device_config.weight_cache
+        and quantization in ("int8", "q4", "gguf")
+        and device.type == "cpu"
+    ):
         from kvserve.model.weight_cache import WeightCache
 
         cache = WeightCache(device_config.weight_cache_dir)
-    llama, cache_status = _prepared_model(cache, path, config, quantization, dtype, device, prepare)
+    llama, cache_status = _prepared_model(
+        cache, path, config, quantization, dtype, device, prepare, kernels, checkpoint
+    )
     loaded = LoadedModel(
         model=llama,
         tokenizer=tokenizer,
@@ -294,6 +365,7 @@ def _load_model(model: str | None, device_config: DeviceConfig) -> LoadedModel:
         quantization=list(checkpoint.quantization),
         quantization_reason=reason,
         weight_cache=cache_status,
+        kernels=kernels,
     )
     log.info(loaded.summary())
     return loaded
@@ -307,6 +379,8 @@ def _prepared_model(
     dtype: torch.dtype,
     device: torch.device,
     prepare,
+    kernels: CpuKernels | None,
+    checkpoint=None,
 ) -> tuple[LlamaModel, str]:
     """The model from the prepared-weight cache when it has it, else `prepare()` (then
     cached). Returns the model and what the cache did (see LoadedModel.weight_cache)."""
@@ -319,14 +393,17 @@ def _prepared_model(
         quantization=quantization,
         dtype=dtype,
         device=device,
-        packed=native.int8_gemm_available(),
+        packed=bool(kernels is not None and kernels.int8_gemm_isa),
     )
     status = "written"
     try:
         found = cache.load(key)
         if found is not None:
             try:
-                return LlamaModel.from_prepared(config, *found), "hit"
+                model = LlamaModel.from_prepared(
+                    config, *found, kernels=kernels, checkpoint=checkpoint, dtype=dtype
+                )
+                return model, "hit"
             except (KeyError, ValueError, RuntimeError) as exc:
                 cache.discard(key, exc)
                 status = "rebuilt"

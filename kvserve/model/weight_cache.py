@@ -1,6 +1,6 @@
 """Prepared weights cached on disk, so a restart skips the preparation of int8 or q4 weights.
 
-Preparing int8 weights (dequantize, rotate, quantize, pack: kvserve/model/quant.py) costs
+Preparing int8 weights (dequantize, rotate, quantize, pack: kvserve/model/linear/int8.py) costs
 seconds per hundred million parameters, at every start. The prepared tensors are written once
 to a safetensors file in the user's cache directory (`$KVSERVE_WEIGHT_CACHE_DIR`, else
 `<user cache dir>/prepared`, never beside the model) and memory-mapped at the next start:
@@ -10,7 +10,7 @@ pages are read as the first steps touch them.
 The key of a file is a hash of
 
 - the checkpoint's content fingerprint (`checkpoint_fingerprint`);
-- the preparation: `quant.PREPARATION_VERSION`, a hash of the source files that prepare and
+- the preparation: `linear.int8.PREPARATION_VERSION`, a hash of the source files that prepare and
   lay out the weights (so an edit that forgets to bump the version still misses), the torch and
   gguf versions (the rotation's QR and the dequantization come from them);
 - the options that shape the result: quantization, dtype, device, and whether the weights are
@@ -45,13 +45,19 @@ ENV_DIR = "KVSERVE_WEIGHT_CACHE_DIR"
 SAMPLE_BYTES = 4096
 NUM_SAMPLES = 1024
 _PREPARING_SOURCES = (
-    "quant.py",
-    "quant4.py",
+    "linear/int8.py",
+    "linear/q4.py",
     "llama.py",
+    "head.py",
     "gguf.py",
     "safetensors.py",
-    "native.py",
-    "native_q4.py",
+    "kernels.py",
+    "linear/blocks.py",
+    # tensor names, fused projections and norm offsets of each family
+    "families/__init__.py",
+    "families/llama.py",
+    "families/gemma.py",
+    "families/phi3.py",
 )
 
 
@@ -112,14 +118,14 @@ def checkpoint_fingerprint(path: Path) -> str:
 def _preparation_digest() -> str:
     from importlib.metadata import version
 
-    from kvserve.model.quant import PREPARATION_VERSION
+    from kvserve.model.linear.int8 import PREPARATION_VERSION
 
     digest = hashlib.sha256(f"{PREPARATION_VERSION}:{torch.__version__}:".encode())
     digest.update(version("gguf").encode())
     here = Path(__file__).parent
     for name in _PREPARING_SOURCES:
         digest.update((here / name).read_bytes())
-    for kernel in ("int8_gemm.c", "q4_gemm.c"):  # the packed layouts
+    for kernel in ("int8_gemm.c", "q4_gemm.c", "blocks_gemm.c"):  # the packed layouts
         digest.update((here / "csrc" / kernel).read_bytes())
     return digest.hexdigest()
 

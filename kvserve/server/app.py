@@ -3,6 +3,9 @@ middleware, and the probes.
 
     POST /v1/chat/completions   POST /v1/completions   POST /v1/responses   GET /v1/models
     POST /v1/messages   POST /v1/messages/count_tokens
+    POST /api/chat   POST /api/generate   GET /api/tags   POST /api/show   GET /api/ps
+    GET /api/version   POST /api/pull   GET / (Ollama's)
+    POST /v1/embeddings   POST /api/embed   POST /api/embeddings
     POST /tokenize   POST /detokenize   GET /health   GET /ready   GET /metrics
     GET /v1/engine/events   GET /dashboard
 
@@ -34,6 +37,8 @@ from kvserve.server import dashboard, schemas
 from kvserve.server.core import EngineFactory, Exchange, ServerState, json_response
 from kvserve.server.dialects import (
     anthropic_messages,
+    embeddings,
+    ollama,
     openai_chat,
     openai_completions,
     openai_responses,
@@ -51,7 +56,15 @@ __all__ = [
     "create_app",
 ]
 
-_DIALECTS = (openai_chat, openai_completions, openai_responses, anthropic_messages, tokenize)
+_DIALECTS = (
+    openai_chat,
+    openai_completions,
+    openai_responses,
+    anthropic_messages,
+    ollama,
+    embeddings,
+    tokenize,
+)
 
 ENDPOINTS = frozenset(
     {"/v1/models", *OPEN_PATHS, *(path for dialect in _DIALECTS for path in dialect.PATHS)}
@@ -92,7 +105,8 @@ def create_app(
 
     app = FastAPI(
         title="kvserve",
-        description="OpenAI-compatible LLM serving (and vLLM's /tokenize and /detokenize).",
+        description="LLM serving in OpenAI's, Anthropic's and Ollama's APIs (and vLLM's "
+        "/tokenize and /detokenize).",
         version=__version__,
         lifespan=lifespan,
         docs_url="/docs",
@@ -101,6 +115,7 @@ def create_app(
     )
     app.state.kvserve = state
     app.state.engine_events = events
+    state.metrics.embedding_endpoints = frozenset(embeddings.PATHS)
 
     def error_response(request: Request, error: APIError) -> Response:
         body = state.error_body(request.url.path, error)
@@ -133,7 +148,8 @@ def create_app(
     @app.get("/ready", responses={200: schemas.json_response(schemas.Status), **errors(503)})
     async def ready() -> Response:
         if state.ready:
-            return json_response({"status": "ready", "model": state.model_name})
+            body = {"status": "ready", "model": state.model_name}
+            return json_response(body | state.engine.loaded.kernels_status())
         if state.load_error is not None:
             return json_response({"status": "failed", "error": str(state.load_error)}, 503)
         return json_response({"status": "loading"}, 503)

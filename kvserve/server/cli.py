@@ -1,4 +1,5 @@
-"""`kvserve serve [MODEL]`: the OpenAI-compatible server on uvicorn.
+"""`kvserve serve [MODEL]`: the HTTP server (OpenAI's, Anthropic's and Ollama's APIs) on
+uvicorn. An encoder directory (a BERT-family sentence embedder) is served for embeddings only.
 
 Every flag is also an environment variable `KVSERVE_<NAME>` (`--api-key` is `KVSERVE_API_KEY`).
 The engine flags are the ones every engine command shares (`kvserve.cli.add_engine_arguments`);
@@ -14,7 +15,12 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from kvserve.cli import add_engine_arguments, engine_config_from_args, parse_size
+from kvserve.cli import (
+    add_engine_arguments,
+    engine_config_from_args,
+    parse_size,
+    resolve_model_argument,
+)
 from kvserve.config import ServerConfig, env_default
 from kvserve.server.tools import TOOL_CALL_PARSERS
 
@@ -59,8 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tool-call-parser",
         default=e("--tool-call-parser", None),
-        choices=sorted(TOOL_CALL_PARSERS),
-        help="how tool_choice 'auto' reads the model's calls (default: by chat-template family)",
+        choices=["auto", *sorted(TOOL_CALL_PARSERS)],
+        help="how the model's tool calls are read: auto (default) by the chat template's "
+        "family (Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS])",
     )
 
 
@@ -80,6 +87,19 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 def banner(engine: Engine, model_name: str, url: str, server_config: ServerConfig) -> str:
     """The start-up lines: the model, the KV pool arithmetic, limits, and where to connect."""
     config = engine.config
+    if not engine.generates:
+        slots = config.scheduler.max_num_seqs
+        return "\n".join(
+            [
+                f"kvserve: serving '{model_name}' for embeddings (it generates no text)",
+                f"  model: {engine.loaded.summary()}",
+                f"  queue: {slots * (1 + config.queue.max_queue_per_slot)} requests, wait "
+                f"budget {config.queue.queue_timeout:g} s, "
+                f"{config.scheduler.max_num_batched_tokens} tokens per forward pass",
+                f"  API key: {'required' if server_config.api_key else 'not required'}",
+                f"  listening on {url}  (OpenAI base URL: {url}/v1; Ollama host: {url})",
+            ]
+        )
     pool = engine.pool_size
     slots = config.scheduler.max_num_seqs
     return "\n".join(
@@ -87,6 +107,7 @@ def banner(engine: Engine, model_name: str, url: str, server_config: ServerConfi
             f"kvserve: serving '{model_name}'",
             f"  model: {engine.loaded.summary()}",
             f"  {engine.describe_precision()}",
+            f"  {engine.loaded.describe_kernels()}",
             f"  {pool.describe()}",
             f"  pool bytes: {pool.num_blocks} blocks x {pool.bytes_per_block} bytes "
             f"= {pool.num_bytes} bytes; "
@@ -96,7 +117,7 @@ def banner(engine: Engine, model_name: str, url: str, server_config: ServerConfi
             f"({slots * config.queue.max_queue_per_slot} waiters), wait budget "
             f"{config.queue.queue_timeout:g} s, max model len {engine.max_model_len}",
             f"  API key: {'required' if server_config.api_key else 'not required'}",
-            f"  listening on {url}  (OpenAI base URL: {url}/v1)",
+            f"  listening on {url}  (OpenAI base URL: {url}/v1; Ollama host: {url})",
         ]
     )
 
@@ -139,6 +160,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvserve serve: {exc}", file=sys.stderr)
         return 2
+    # A model that is not here (a catalogue name not pulled, a wrong path) is refused before
+    # the port opens; `--pull` fetches a catalogue model first.
+    problem = resolve_model_argument(args)
+    if problem is not None:
+        print(f"kvserve serve: {problem}", file=sys.stderr)
+        return 2
     # Listen before the heavy imports (torch, the engine): a client that connects during the
     # seconds they take waits in the backlog instead of being refused; /health then answers as
     # soon as the app runs, and /ready once the model is loaded.
@@ -151,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
-    from kvserve.engine.engine import Engine
+    from kvserve.engine.embedding import build_engine
     from kvserve.server.app import Server, create_app
 
     failed: list[BaseException] = []
@@ -175,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
 
     app = create_app(
         server_config,
-        lambda observer: Engine(engine_config, observer=observer),
+        lambda observer: build_engine(engine_config, observer),
         on_ready=on_ready,
         on_load_error=on_load_error,
     )

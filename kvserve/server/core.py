@@ -1,10 +1,10 @@
 """The generation core: one request lifecycle for every dialect of the HTTP API.
 
-A dialect turns its request into prompt ids, SamplingParams and a `Rendering`; the core does the
-rest, the same way for all of them. A request's status code is decided before its first byte
-goes out: the engine refuses it at `submit` (400 impossible, 429 queue full) or while it waits
-for a slot (429 wait expired), and only once `stream.admitted()` returns does a 200 (and, when
-streaming, the first SSE event) go out. A client that leaves (while queued, while generating,
+A dialect turns its request into prompt ids, SamplingParams and a `Rendering` (its renderers,
+`kvserve.server.render`); the core does the rest, the same way for all of them. A request's
+status code is decided before its first byte goes out: the engine refuses it at `submit` (400
+impossible, 429 queue full) or while it waits for a slot (429 wait expired), and only once
+`stream.admitted()` returns does a 200 (and, when streaming, the first event) go out. A client that leaves (while queued, while generating,
 while streaming) has its engine request cancelled and is logged and counted as 499, never as a
 server error. Errors after a stream began go out as the dialect's error event.
 
@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -34,6 +34,7 @@ from kvserve.params import SamplingParams
 from kvserve.request import EngineError, GenerationRequest, RequestCancelled
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError, ModelT, dumps, parse_request, refused_fields
+from kvserve.server.render import Rendering, Timing
 from kvserve.server.sse import ClientGone, DisconnectWatcher, EventStreamResponse
 
 __all__ = [
@@ -41,7 +42,6 @@ __all__ = [
     "EngineFactory",
     "ErrorShape",
     "Exchange",
-    "Rendering",
     "ServerState",
     "in_thread",
     "json_response",
@@ -109,25 +109,6 @@ async def in_thread(function: Callable[[], T]) -> T:
     return await asyncio.to_thread(function)
 
 
-class Rendering(Protocol):
-    """One request's answer in one dialect. Streaming: `head` once admitted, `frames` per
-    delta, then `tail` (the stop reason and usage, and the end of the stream) or `error_tail`;
-    each returns ready SSE text, possibly empty. Not streaming: `add` per delta, then
-    `response`."""
-
-    def head(self) -> str: ...
-
-    def frames(self, delta: Delta) -> str: ...
-
-    def tail(self, final: Delta) -> str: ...
-
-    def error_tail(self, error: APIError) -> str: ...
-
-    def add(self, delta: Delta) -> None: ...
-
-    def response(self, final: Delta) -> dict[str, Any]: ...
-
-
 class ServerState:
     """Everything the routes share: config, metrics, the engine once it is loaded, and the
     one generation lifecycle."""
@@ -146,7 +127,8 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.model_name: str | None = config.served_model_name
         self.created = int(time.time())
-        self.error_shapes: dict[str, ErrorShape] = {}
+        self.error_shapes: dict[str, ErrorShape] = {}  # by path
+        self.error_prefixes: dict[str, ErrorShape] = {}  # by path prefix, where none is exact
         self._engine_factory = engine_factory
         self._on_ready = on_ready
         self._on_load_error = on_load_error
@@ -214,7 +196,8 @@ class ServerState:
         return self.engine
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        """404 unless `name` is the served model (or, as Ollama tags names, `<it>:latest`)."""
+        if name is not None and name != self.model_name and name != f"{self.model_name}:latest":
             raise APIError(
                 404,
                 f"the model '{name}' does not exist; this server serves '{self.model_name}'",
@@ -236,20 +219,38 @@ class ServerState:
         self.metrics.observe_ignored_fields(ignored)
 
     async def accept(
-        self, request: Request, model: type[ModelT], policy: FieldPolicy = refused_fields
+        self,
+        request: Request,
+        model: type[ModelT],
+        policy: FieldPolicy = refused_fields,
+        *,
+        generates: bool = True,
     ) -> tuple[Exchange, Engine, ModelT]:
         """The common start of every API handler: a loaded engine, a valid body for a served
-        model, its harmless unknown fields recorded."""
+        model, its harmless unknown fields recorded. A route that `generates` refuses (400) a
+        model that only embeds."""
         exchange = exchange_of(request)
         engine = self.require_engine()
         body = parse_request(model, await request.body())
         self.check_model(getattr(body, "model", None))
+        if generates and not engine.generates:
+            raise APIError(
+                400,
+                f"'{self.model_name}' is an embedding model and generates no text; "
+                "send it to /v1/embeddings or /api/embed",
+                param="model",
+                code="embedding_model",
+            )
         self.accept_extras(body, exchange, policy)
         return exchange, engine, body
 
     def error_body(self, path: str, error: APIError) -> dict[str, Any]:
         """The error body in the dialect that serves `path` (OpenAI's elsewhere)."""
         shape = self.error_shapes.get(path)
+        if shape is None:
+            shape = next(
+                (s for prefix, s in self.error_prefixes.items() if path.startswith(prefix)), None
+            )
         return shape(error) if shape is not None else error.body()
 
     # -- generation ----------------------------------------------------------------------------
@@ -297,6 +298,7 @@ class ServerState:
                 return _client_gone(exchange)
             except EngineError as exc:
                 raise APIError.from_engine(exc, param_names=param_names) from None
+            admitted_at = time.monotonic()
             if stream:
                 handed_over = True
 
@@ -304,9 +306,10 @@ class ServerState:
                     exchange.status = 499
 
                 return EventStreamResponse(
-                    self._frames(engine, submitted, rendering, exchange),
+                    self._frames(engine, submitted, rendering, exchange, admitted_at),
                     watcher,
                     on_client_gone=gone,
+                    media_type=rendering.media_type,
                 )
             try:
                 final = await watcher.race(_collect(submitted, rendering, exchange))
@@ -314,17 +317,22 @@ class ServerState:
                 return _client_gone(exchange)
             if final.finish_reason not in GOOD_ENDINGS:
                 raise _ended_early(final, param_names)
-            return json_response(rendering.response(final))
+            return json_response(rendering.response(final, _timing(exchange, admitted_at, final)))
         finally:
             if not handed_over:
                 watcher.stop()
                 engine.cancel(request_id)  # a no-op once it ended; frees it if it did not
 
     async def _frames(
-        self, engine: Engine, stream: Stream, rendering: Rendering, exchange: Exchange
+        self,
+        engine: Engine,
+        stream: Stream,
+        rendering: Rendering,
+        exchange: Exchange,
+        admitted_at: float,
     ) -> AsyncIterator[bytes]:
-        """SSE frames for one request: deltas already waiting go out in one write, each still
-        its own event."""
+        """The streamed frames of one request: deltas already waiting go out in one write,
+        each still its own event."""
         try:
             head = rendering.head()
             if head:
@@ -342,7 +350,8 @@ class ServerState:
                 if final is not None:
                     _record_end(exchange, final)
                     if final.finish_reason in GOOD_ENDINGS:
-                        parts.append(rendering.tail(final))
+                        timing = _timing(exchange, admitted_at, final)
+                        parts.append(rendering.tail(final, timing))
                     else:
                         parts.append(rendering.error_tail(_stream_error(final)))
                     yield "".join(parts).encode()
@@ -377,6 +386,10 @@ async def _collect(stream: Stream, rendering: Rendering, exchange: Exchange) -> 
             _record_end(exchange, delta)
             return delta
     raise RuntimeError("the stream ended without a final delta")
+
+
+def _timing(exchange: Exchange, admitted_at: float, final: Delta) -> Timing:
+    return Timing(exchange.started, admitted_at, exchange.first_token_at, final.timestamp)
 
 
 def _record_end(exchange: Exchange, final: Delta) -> None:

@@ -2,6 +2,8 @@
 
 `ServerMetrics` is an `EngineObserver` (latency histograms, token counters, rejections) plus the
 HTTP-level counters the engine cannot see (status codes, clients that left, ignored fields).
+Embedding requests are counted apart from generation (`kvserve:embedding_*`): their own
+requests, inputs, tokens, latencies, batches, queue and rejections.
 Each instance has its own `CollectorRegistry`, so several apps in one process do not collide.
 Engine hooks run on the event loop thread, as does the scrape, so the gauges read the engine
 directly at scrape time.
@@ -24,12 +26,16 @@ from prometheus_client import (
 from kvserve.engine.engine import EngineObserver, RequestState
 
 if TYPE_CHECKING:
+    from kvserve.engine.embedding import EmbeddingJob
     from kvserve.engine.engine import Engine
 
-__all__ = ["REJECTION_REASONS", "ServerMetrics"]
+__all__ = ["EMBEDDING_REJECTION_REASONS", "REJECTION_REASONS", "ServerMetrics"]
 
 REJECTION_REASONS = ("queue_full", "queue_timeout", "infeasible", "client_gone", "slow_consumer")
 """Every reason a request is turned away or dropped; each is exported from the start at 0."""
+
+EMBEDDING_REJECTION_REASONS = ("queue_full", "queue_timeout", "client_gone")
+"""Every reason an embedding request is turned away or dropped (counted apart)."""
 
 # vLLM's buckets, so that percentiles computed from either server line up.
 _TTFT_BUCKETS = (
@@ -180,6 +186,74 @@ class ServerMetrics(EngineObserver):
             registry=r,
         )
         self._field_labels: set[str] = set()
+        self._init_embedding_metrics()
+        self.embedding_endpoints: frozenset[str] = frozenset()
+        """The HTTP paths of embedding requests: a client that leaves one is counted here."""
+
+    def _init_embedding_metrics(self) -> None:
+        r = self.registry
+        self.embedding_requests = Counter(
+            "kvserve:embedding_requests",
+            "Embedding requests that ended, by outcome (done, cancelled, queue_timeout, ...).",
+            ["outcome"],
+            registry=r,
+        )
+        self.embedding_inputs = Counter(
+            "kvserve:embedding_inputs", "Inputs of finished embedding requests.", registry=r
+        )
+        self.embedding_prompt_tokens = Counter(
+            "kvserve:embedding_prompt_tokens",
+            "Tokens of the inputs of finished embedding requests.",
+            registry=r,
+        )
+        self.embedding_request_latency = Histogram(
+            "kvserve:embedding_request_latency_seconds",
+            "Time from arrival to the vectors of a finished embedding request.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.embedding_queue_time = Histogram(
+            "kvserve:embedding_queue_time_seconds",
+            "Time from arrival to the first forward pass of an embedding request.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.embedding_batches = Counter(
+            "kvserve:embedding_batches", "Forward passes run for embeddings.", registry=r
+        )
+        self.embedding_batch_inputs = Counter(
+            "kvserve:embedding_batch_inputs",
+            "Inputs embedded by those passes (over batches: the mean batch size).",
+            registry=r,
+        )
+        self.embedding_rejections = Counter(
+            "kvserve:embedding_rejections",
+            "Embedding requests refused or dropped for load or by the client, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in EMBEDDING_REJECTION_REASONS:
+            self.embedding_rejections.labels(reason)
+        self.num_embedding_requests_waiting = Gauge(
+            "kvserve:num_embedding_requests_waiting",
+            "Embedding requests none of whose inputs has started.",
+            registry=r,
+        )
+        self.num_embedding_requests_running = Gauge(
+            "kvserve:num_embedding_requests_running",
+            "Embedding requests with inputs started and not all done.",
+            registry=r,
+        )
+
+        def embedder_reader(read):
+            def value() -> float:
+                embedder = getattr(self._engine, "embedder", None)
+                return 0.0 if embedder is None else float(read(embedder))
+
+            return value
+
+        self.num_embedding_requests_waiting.set_function(embedder_reader(lambda e: e.num_waiting))
+        self.num_embedding_requests_running.set_function(embedder_reader(lambda e: e.num_running))
 
     def _reader(self, read):
         def value() -> float:
@@ -221,16 +295,38 @@ class ServerMetrics(EngineObserver):
     def on_preempted(self, state: RequestState, num_sequences: int) -> None:
         self.num_preemptions.inc(num_sequences)
 
+    def on_embedding_finished(self, job: EmbeddingJob) -> None:
+        outcome = job.outcome or "unknown"
+        self.embedding_requests.labels(outcome).inc()
+        if outcome == "queue_timeout":
+            self.embedding_rejections.labels("queue_timeout").inc()
+        if job.started_at is not None:
+            self.embedding_queue_time.observe(job.started_at - job.arrival_time)
+        if outcome == "done" and job.finished_at is not None:
+            self.embedding_inputs.inc(len(job.inputs))
+            self.embedding_prompt_tokens.inc(job.num_tokens)
+            self.embedding_request_latency.observe(job.finished_at - job.arrival_time)
+
+    def on_embedding_rejected(self, reason: str) -> None:
+        self.embedding_rejections.labels(reason).inc()
+
+    def on_embedding_batch(self, num_inputs: int, num_tokens: int, seconds: float) -> None:
+        self.embedding_batches.inc()
+        self.embedding_batch_inputs.inc(num_inputs)
+
     # -- HTTP level ----------------------------------------------------------------------------
 
     def observe_http(self, endpoint: str, status: int, *, client_gone: bool = True) -> None:
         """Count one answered request; 499 is counted as such (and, unless `client_gone` is
-        False, as a client_gone rejection), never as a server error."""
+        False, as a client_gone rejection), never as a server error. 501 (a route this server
+        does not implement, such as pulling a model) is no server error either."""
         self.http_requests.labels(endpoint, str(status)).inc()
         if status == 499:
-            if client_gone:
+            if endpoint in self.embedding_endpoints:
+                self.embedding_rejections.labels("client_gone").inc()
+            elif client_gone:
                 self.rejections.labels("client_gone").inc()
-        elif status >= 500:
+        elif status >= 500 and status != 501:
             self.http_server_errors.labels(endpoint).inc()
 
     def observe_ignored_fields(self, names: Iterable[str]) -> None:

@@ -11,13 +11,11 @@ a float is not an integer), every model allowing extra fields. Extras are then s
 Responses are plain dicts serialised with `json.dumps`: this runs once per streamed token, and a
 dict is several times cheaper to build and dump than a pydantic model.
 
-The OpenAI request models and renderers live in `kvserve.server.dialects`; their names are
-still importable from here.
+The OpenAI request models and renderers live in `kvserve.server.dialects`.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -243,35 +241,6 @@ def refused_fields(extras: Mapping[str, Any]) -> tuple[list[str], APIError | Non
 def dumps(value: Any) -> str:
     """Compact JSON, non-ASCII kept as is (the body is UTF-8)."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-# --------------------------------------------------------------------------------------------
-# Names that moved to the dialect modules, still importable from here
-
-_MOVED = {
-    "DEFAULT_COMPLETION_MAX_TOKENS": "openai",
-    "ChatCompletionRequest": "openai",
-    "ChatMessage": "openai",
-    "CompletionRequest": "openai",
-    "StreamOptions": "openai",
-    "chat_logprobs": "openai",
-    "completion_logprobs": "openai",
-    "request_param": "openai",
-    "sampling_params": "openai",
-    "usage_dict": "openai",
-    "ChatRenderer": "openai_chat",
-    "CompletionRenderer": "openai_completions",
-    "DetokenizeRequest": "tokenize",
-    "TokenizeRequest": "tokenize",
-}
-
-
-def __getattr__(name: str) -> Any:
-    # Imported on first use: the dialect modules import this one.
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"kvserve.server.dialects.{module}"), name)
 
 
 def validated_sampling_params(

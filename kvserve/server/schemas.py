@@ -189,6 +189,11 @@ class Status(BaseModel):
     status: str
     model: str | None = None
     error: str | None = None
+    # /ready: the CPU kernels built here (families, failures, instruction sets, paths) and how
+    # the model's layers and attention run
+    kernels: dict[str, Any] | None = None
+    layers: str | None = None
+    attention: str | None = None
 
 
 _ERROR_DESCRIPTIONS = {
@@ -197,6 +202,7 @@ _ERROR_DESCRIPTIONS = {
     404: "Unknown model",
     413: "Body larger than the limit",
     429: "Overloaded (queue full, or waited too long); see Retry-After",
+    501: "Not implemented by this server (pulling a model: there is no catalogue)",
     503: "The model is still loading, failed to load, or the server is stopping",
 }
 
@@ -266,6 +272,88 @@ class ResponseEvent(_Open):
 
     type: str
     sequence_number: int
+
+
+class OllamaError(BaseModel):
+    """Ollama's error body."""
+
+    error: str
+
+
+class OllamaVersion(_Open):
+    version: str
+
+
+class OllamaChat(_Open):
+    """`POST /api/chat` with `"stream": false`; streamed, NDJSON objects of this shape."""
+
+    model: str
+    created_at: str
+    message: dict[str, Any]
+    done: bool
+
+
+class OllamaGenerate(_Open):
+    """`POST /api/generate` with `"stream": false`; streamed, NDJSON objects of this shape."""
+
+    model: str
+    created_at: str
+    response: str
+    done: bool
+
+
+class OllamaModels(BaseModel):
+    """`GET /api/tags` and `GET /api/ps`."""
+
+    models: list[dict[str, Any]]
+
+
+class OllamaShow(_Open):
+    """`POST /api/show`."""
+
+    template: str
+    details: dict[str, Any]
+    model_info: dict[str, Any]
+    capabilities: list[str]
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    embedding: list[float] | str  # a base64 string with encoding_format "base64"
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    """`POST /v1/embeddings`."""
+
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class OllamaEmbed(_Open):
+    """`POST /api/embed`."""
+
+    model: str
+    embeddings: list[list[float]]
+
+
+class OllamaEmbedding(BaseModel):
+    """`POST /api/embeddings`."""
+
+    embedding: list[float]
+
+
+class OllamaStatus(_Open):
+    """A status object (`POST /api/pull` streams them)."""
+
+    status: str
 
 
 def json_response(model: type[BaseModel], description: str = "OK") -> dict[str, Any]:

@@ -84,7 +84,8 @@ class DisconnectWatcher:
 
 
 class EventStreamResponse(Response):
-    """An ASGI `text/event-stream` response fed by an async iterator of ready-made frames.
+    """An ASGI streamed response fed by an async iterator of ready-made frames: Server-Sent
+    Events (`text/event-stream`), or another `media_type` written the same way (NDJSON).
 
     Each item the iterator yields (one or more whole events) goes out as one body message. If
     the client disconnects, the iterator is closed at once (its `finally` blocks run: that is
@@ -100,7 +101,9 @@ class EventStreamResponse(Response):
         *,
         headers: Mapping[str, str] | None = None,
         on_client_gone: Callable[[], None] | None = None,
+        media_type: str = "text/event-stream",
     ) -> None:
+        self.media_type = media_type
         self._frames = frames
         self._watcher = watcher
         self._on_client_gone = on_client_gone

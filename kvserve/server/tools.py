@@ -26,6 +26,7 @@ message holding `<tool_response>` (docs/structured-output.md).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -39,15 +40,22 @@ from kvserve.server.protocol import APIError
 __all__ = [
     "FALLBACK_TOOL_PROMPT",
     "TOOL_CALL_PARSERS",
+    "TOOL_NAME",
     "HermesToolParser",
+    "Llama3JsonToolParser",
+    "MistralToolParser",
     "ToolCall",
+    "ToolCallParser",
     "ToolPlan",
     "parse_tool_choice",
+    "parser_for",
     "plan_tools",
+    "template_family",
     "tool_prompt",
 ]
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+"""A function tool's name, as OpenAI and Anthropic allow it."""
 
 FALLBACK_TOOL_PROMPT = (
     "You may call one or more functions to assist with the user query.\n\n"
@@ -107,6 +115,18 @@ class ToolPlan:
     def schemas(self) -> dict[str, Mapping[str, Any]]:
         return {tool["function"]["name"]: _parameters(tool) for tool in self.tools}
 
+    @property
+    def reads_with_parser(self) -> bool:
+        """Whether the answer is read by the family's parser: under `auto`, and under a forced
+        choice when the family writes forced calls in its own syntax (Llama 3, Mistral)."""
+        if self.choice == "auto":
+            return True
+        return self.choice != "none" and TOOL_CALL_PARSERS[self.parser].forced_in_syntax
+
+    def new_parser(self, id_prefix: str = "call_") -> ToolCallParser:
+        """A fresh parser for one answer under this plan."""
+        return TOOL_CALL_PARSERS[self.parser](id_prefix, forced=self.choice != "auto")
+
 
 def _parameters(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     parameters = tool["function"].get("parameters")
@@ -141,7 +161,7 @@ def _validate_tools(tools: Any, param: str) -> tuple[Mapping[str, Any], ...]:
         if not isinstance(function, Mapping):
             raise APIError(400, f"'{where}.function' must be an object", param=f"{where}.function")
         name = function.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
             raise APIError(
                 400,
                 f"'{where}.function.name' must be 1-64 letters, digits, '_' or '-'",
@@ -219,8 +239,16 @@ def plan_tools(
     names = [tool["function"]["name"] for tool in validated]
     choice, name = parse_tool_choice(tool_choice, names, choice_param)
     plan = ToolPlan(validated, choice, name, parser=parser)
+    family = (
+        TOOL_CALL_PARSERS[parser].forced_schema(plan.schemas, name, parallel_tool_calls)
+        if choice in ("named", "required")
+        else None
+    )
     try:
-        if choice == "named":
+        if family is not None:
+            where = f"{tools_param}.function.parameters" if choice == "named" else tools_param
+            constraint = StructuredOutput.json_schema(family, where)
+        elif choice == "named":
             schema = closed_schema(plan.schemas[name])
             constraint = StructuredOutput.json_schema(schema, f"{tools_param}.function.parameters")
         elif choice == "required":
@@ -266,14 +294,18 @@ def tool_prompt(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages and template variables that show the tools (and tool history) to the model.
 
-    A template that reads `tools` gets them as its variable and the history as is; any other
-    gets the fallback system prompt and the history rewritten in Hermes syntax.
+    A template that reads `tools` gets them as its variable and the history with each call's
+    arguments as an object (Llama 3's and Mistral's templates write them with `tojson`, as
+    vLLM hands them over); Mistral's templates also get call ids of the nine letters and
+    digits they require. Any other template gets the fallback system prompt and the history
+    rewritten in Hermes syntax.
     """
     native = template_reads_tools(template)
     if native:
         if plan is not None and plan.offers_tools:
             template_kwargs = {**template_kwargs, "tools": [dict(tool) for tool in plan.tools]}
-        return messages, template_kwargs
+        short_ids = template_family(template) == "mistral"
+        return [_native_history(message, short_ids) for message in messages], template_kwargs
     messages = [_hermes_history(message) for message in messages]
     if plan is not None and plan.offers_tools:
         listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in plan.tools)
@@ -297,6 +329,41 @@ def _text(content: Any) -> str:
             part.get("text", "") for part in content if isinstance(part, Mapping)
         )  # text parts
     return str(content)
+
+
+def mistral_call_id(call_id: str) -> str:
+    """A call id as Mistral's templates require it: nine letters and digits (the last nine of
+    the id's own, as vLLM cuts them, or a digest of a shorter id). The same id always gives
+    the same nine, so a call and its result still match."""
+    plain = re.sub(r"[^A-Za-z0-9]", "", call_id)
+    if len(plain) >= 9:
+        return plain[-9:]
+    return hashlib.sha256(call_id.encode("utf-8")).hexdigest()[:9]
+
+
+def _native_history(message: dict[str, Any], short_ids: bool) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if message.get("role") == "assistant" and isinstance(calls, list) and calls:
+        rewritten = []
+        for call in calls:
+            if not isinstance(call, Mapping):
+                rewritten.append(call)
+                continue
+            call = dict(call)
+            function = call.get("function")
+            if isinstance(function, Mapping) and isinstance(function.get("arguments"), str):
+                try:
+                    arguments = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    arguments = function["arguments"]
+                call["function"] = {**function, "arguments": arguments}
+            if short_ids and isinstance(call.get("id"), str):
+                call["id"] = mistral_call_id(call["id"])
+            rewritten.append(call)
+        return {**message, "tool_calls": rewritten}
+    if short_ids and message.get("role") == "tool" and isinstance(message.get("tool_call_id"), str):
+        return {**message, "tool_call_id": mistral_call_id(message["tool_call_id"])}
+    return message
 
 
 def _hermes_history(message: dict[str, Any]) -> dict[str, Any]:
@@ -338,14 +405,24 @@ class HermesToolParser:
 
     start = "<tool_call>"
     end = "</tool_call>"
+    forced_in_syntax = False
+    """Forced answers (required, named) are not in this syntax: `parse_required` reads a
+    required one, a named one is the arguments themselves."""
 
-    def __init__(self, id_prefix: str = "call_") -> None:
+    def __init__(self, id_prefix: str = "call_", *, forced: bool = False) -> None:
         self._id_prefix = id_prefix
         self._buffer = ""
         self._in_call = False
         self._pending_space = ""
         self._after_call = False
         self.calls: list[ToolCall] = []
+
+    @staticmethod
+    def forced_schema(
+        schemas: Mapping[str, Mapping[str, Any]], name: str | None, parallel: bool | None
+    ) -> dict[str, Any] | None:
+        """None: forced answers take `plan_tools`' shapes (vLLM's array, or the arguments)."""
+        return None
 
     def feed(self, text: str) -> list[str | ToolCall]:
         """New content strings and completed calls, in order."""
@@ -437,20 +514,339 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-TOOL_CALL_PARSERS: dict[str, type[HermesToolParser]] = {
+def _json_end(text: str, start: int = 0) -> int | None:
+    """The end of the JSON object or array that opens at `text[start]`, or None when it does not
+    close within `text` (brackets counted outside strings; the JSON itself is checked later)."""
+    depth = 0
+    in_string = escaped = False
+    for index in range(start, len(text)):
+        char = text[index]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return index + 1
+    return None
+
+
+def _call_of(value: Any, id_prefix: str, arguments_key: str) -> ToolCall | None:
+    """`{"name": ..., <arguments_key>: {...}}` (either key accepted) as a call; None otherwise."""
+    if not isinstance(value, Mapping) or not isinstance(value.get("name"), str):
+        return None
+    other = "parameters" if arguments_key == "arguments" else "arguments"
+    arguments = value.get(arguments_key, value.get(other, {}))
+    if isinstance(arguments, str):
+        text = arguments
+    elif isinstance(arguments, Mapping):
+        text = json.dumps(arguments, ensure_ascii=False)
+    else:
+        return None
+    return ToolCall(value["name"], text, new_call_id(id_prefix))
+
+
+def _closed_call_schema(name: str, schema: Mapping[str, Any], arguments_key: str) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, arguments_key: closed_schema(schema)},
+        "required": ["name", arguments_key],
+        "additionalProperties": False,
+    }
+
+
+class Llama3JsonToolParser:
+    """Llama 3.1-3.3 syntax: the answer is a call, ``{"name": ..., "parameters": {...}}``, bare
+    or after ``<|python_tag|>`` (several are taken when joined by ``;``).
+
+    As Llama 3's templates teach it and vLLM's `llama3_json` reads it, a call opens the answer
+    (after any whitespace); an answer that opens otherwise is content, and so is one whose
+    JSON is not a call (tag and all). Calls come out whole, each once its object closes.
+    """
+
+    tag = "<|python_tag|>"
+    forced_in_syntax = True
+    """A forced answer (required, named) is written in this syntax and read back by `parse`."""
+
+    def __init__(self, id_prefix: str = "call_", *, forced: bool = False) -> None:
+        self._id_prefix = id_prefix
+        self._buffer = ""
+        self._raw = ""  # all text so far while no call has come out (content if none does)
+        self._state = "start"  # start | calls | content
+        self.calls: list[ToolCall] = []
+
+    @staticmethod
+    def forced_schema(
+        schemas: Mapping[str, Mapping[str, Any]], name: str | None, parallel: bool | None
+    ) -> dict[str, Any]:
+        """The JSON an answer under `required` (name None) or a named choice is held to: one
+        call object, as Llama 3's templates take one call per assistant turn. The tag is
+        left out: in Llama 3's vocabulary it is a control token, which a grammar over text
+        cannot write; `parse` reads the call with or without it."""
+        if name is not None:
+            return _closed_call_schema(name, schemas[name], "parameters")
+        return {"anyOf": [_closed_call_schema(n, s, "parameters") for n, s in schemas.items()]}
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        """New content strings and completed calls, in order."""
+        self._buffer += text
+        if self._state == "calls" and not self.calls:
+            self._raw += text
+        out: list[str | ToolCall] = []
+        if self._state == "start":
+            opening = self._buffer.lstrip()
+            if not opening or (self.tag.startswith(opening) and opening != self.tag):
+                return out  # whitespace, or the tag so far: wait
+            if opening.startswith(self.tag) or opening.startswith("{"):
+                self._state = "calls"
+                self._raw = self._buffer
+                self._buffer = opening.removeprefix(self.tag)
+            else:
+                self._state = "content"
+        if self._state == "calls":
+            self._read_calls(out, final=False)
+        if self._state == "content" and self._buffer:
+            out.append(self._buffer)
+            self._buffer = ""
+        return out
+
+    def finish(self) -> list[str | ToolCall]:
+        """Whatever is left once the answer has ended."""
+        out: list[str | ToolCall] = []
+        if self._state == "calls":
+            self._read_calls(out, final=True)
+        if self._buffer and (self._state != "start" or self._buffer.strip()):
+            out.append(self._buffer)
+        self._buffer = ""
+        self._state = "content"
+        return out
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole answer: (content or None, calls)."""
+        items = self.feed(text) + self.finish()
+        content = "".join(item for item in items if isinstance(item, str))
+        return (content or None), [item for item in items if isinstance(item, ToolCall)]
+
+    def _read_calls(self, out: list[str | ToolCall], *, final: bool) -> None:
+        while True:
+            rest = self._buffer.lstrip()
+            if self.calls:
+                rest = rest.lstrip(";").lstrip()
+            if not rest:
+                self._buffer = ""
+                return
+            end = _json_end(rest) if rest[0] == "{" else -1
+            if end is None and not final:
+                self._buffer = rest
+                return
+            call = None
+            if end is not None and end > 0:
+                try:
+                    call = _call_of(json.loads(rest[:end]), self._id_prefix, "parameters")
+                except json.JSONDecodeError:
+                    call = None
+            if call is None:
+                # Not a call: without an earlier call the whole answer is content, as written.
+                self._buffer = rest if self.calls else self._raw
+                self._state = "content"
+                return
+            self.calls.append(call)
+            out.append(call)
+            self._buffer = rest[end:]
+
+
+class MistralToolParser(HermesToolParser):
+    """Mistral syntax: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B
+    v0.3's tokenizer) or, from later tokenizers, ``[TOOL_CALLS]name[ARGS]{...}`` for each call
+    (an optional ``[CALL_ID]id`` before ``[ARGS]``).
+
+    Text before the marker is content, as with Hermes; calls come out once their JSON closes;
+    what follows a marker but is not a call stays content, marker included. With `forced`
+    (the answer was generated under a required or named choice) the array may also open the
+    answer without the marker.
+    """
+
+    start = "[TOOL_CALLS]"
+    args = "[ARGS]"
+    call_id_tag = "[CALL_ID]"
+    forced_in_syntax = True
+
+    def __init__(self, id_prefix: str = "call_", *, forced: bool = False) -> None:
+        super().__init__(id_prefix)
+        self._forced = forced
+        self._marker = ""  # the marker text that opened the current call block
+
+    @staticmethod
+    def forced_schema(
+        schemas: Mapping[str, Mapping[str, Any]], name: str | None, parallel: bool | None
+    ) -> dict[str, Any]:
+        """The JSON a forced answer is held to: v0.3's array of calls (one for a named choice
+        or with parallel_tool_calls false). `[TOOL_CALLS]` is left out: in Mistral's
+        vocabularies it is a control token, which a grammar over text cannot write; the
+        parser reads the array with or without it."""
+        if name is not None:
+            items: dict[str, Any] = _closed_call_schema(name, schemas[name], "arguments")
+        else:
+            items = {"anyOf": [_closed_call_schema(n, s, "arguments") for n, s in schemas.items()]}
+        array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
+        if name is not None or parallel is False:
+            array["maxItems"] = 1
+        return array
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        self._buffer += text
+        return self._run(final=False)
+
+    def finish(self) -> list[str | ToolCall]:
+        out = self._run(final=True)
+        if self._in_call:
+            self._content(out, self._marker + self._buffer)
+        else:
+            self._content(out, self._buffer)
+        if self._pending_space and not self._after_call:
+            out.append(self._pending_space)
+        self._pending_space = ""
+        self._buffer = ""
+        self._in_call = False
+        return out
+
+    def _run(self, *, final: bool) -> list[str | ToolCall]:
+        out: list[str | ToolCall] = []
+        while True:
+            if not self._in_call:
+                opening = self._buffer.lstrip()
+                if self._forced and not self.calls and opening.startswith("["):
+                    if self.start.startswith(opening) and opening != self.start and not final:
+                        return out
+                    if not opening.startswith(self.start):
+                        self._in_call, self._marker, self._buffer = True, "", opening
+                        continue
+                index = self._buffer.find(self.start)
+                if index < 0:
+                    keep = 0 if final else _partial_suffix(self._buffer, self.start)
+                    self._content(out, self._buffer[: len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep :]
+                    return out
+                self._content(out, self._buffer[:index])
+                self._buffer = self._buffer[index + len(self.start) :]
+                self._in_call, self._marker = True, self.start
+                continue
+            consumed = self._read_block(out, final=final)
+            if consumed is None:
+                return out
+            self._buffer = self._buffer[consumed:]
+            self._in_call = False
+
+    def _read_block(self, out: list[str | ToolCall], *, final: bool) -> int | None:
+        """Reads the calls after a marker: the characters used, or None to wait for more."""
+        body = self._buffer
+        start = len(body) - len(body.lstrip())
+        if start == len(body):
+            return None if not final else self._not_a_call(out, len(body))
+        if body[start] == "[":
+            end = _json_end(body, start)
+            if end is None:
+                return None if not final else self._not_a_call(out, len(body))
+            try:
+                value = json.loads(body[start:end])
+            except json.JSONDecodeError:
+                value = None
+            calls = [_call_of(item, self._id_prefix, "arguments") for item in value or []]
+            if not isinstance(value, list) or not calls or None in calls:
+                return self._not_a_call(out, end)
+            for call in calls:
+                self._emit_call(out, call)  # type: ignore[arg-type]
+            return end
+        # name[ARGS]{...}, perhaps name[CALL_ID]id[ARGS]{...}
+        args = body.find(self.args, start)
+        if args < 0:
+            head = body[start:]
+            name = head.split("[", 1)[0]
+            tail = head[len(name) :]
+            waiting = (TOOL_NAME.match(name) is not None or name == "") and (
+                tail == ""
+                or self.args.startswith(tail)
+                or self.call_id_tag.startswith(tail)
+                or tail.startswith(self.call_id_tag)
+            )
+            if waiting and not final and len(head) < 200:
+                return None
+            return self._not_a_call(out, len(body))
+        name = body[start:args].split(self.call_id_tag, 1)[0]
+        opening = args + len(self.args)
+        opening += len(body[opening:]) - len(body[opening:].lstrip())
+        if opening == len(body) and not final:
+            return None
+        end = _json_end(body, opening) if body[opening : opening + 1] == "{" else -1
+        if end is None:
+            return None if not final else self._not_a_call(out, len(body))
+        call = None
+        if end > 0 and TOOL_NAME.match(name):
+            try:
+                arguments = json.loads(body[opening:end])
+            except json.JSONDecodeError:
+                arguments = None
+            call = _call_of({"name": name, "arguments": arguments}, self._id_prefix, "arguments")
+        if call is None:
+            return self._not_a_call(out, max(end, opening))
+        self._emit_call(out, call)
+        return end
+
+    def _not_a_call(self, out: list[str | ToolCall], end: int) -> int:
+        self._content(out, self._marker + self._buffer[:end])
+        return end
+
+    def _emit_call(self, out: list[str | ToolCall], call: ToolCall) -> None:
+        self._pending_space = ""
+        self._after_call = True
+        self.calls.append(call)
+        out.append(call)
+
+
+ToolCallParser = HermesToolParser | Llama3JsonToolParser | MistralToolParser
+"""A parser of one answer: `feed(text)` and `finish()` give content strings and `ToolCall`s in
+order, `parse(text)` a whole answer's (content, calls)."""
+
+TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesToolParser,
     "qwen": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
 }
-"""`--tool-call-parser` values. Hermes is also what the fallback prompt teaches."""
+"""`--tool-call-parser` values (vLLM's names), besides `auto`. Hermes is also what the fallback
+prompt teaches."""
+
+
+def template_family(template: str | None) -> str:
+    """The tool-call syntax a chat template teaches: "mistral" (it writes `[TOOL_CALLS]`),
+    "llama3_json" (Llama 3's headers with the `ipython` role, or `<|python_tag|>`), else
+    "hermes" (Qwen's and Hermes' `<tool_call>`, and the fallback prompt a template that never
+    reads `tools` gets)."""
+    if not template or not template_reads_tools(template):
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or (
+        "<|start_header_id|>" in template and "ipython" in template
+    ):
+        return "llama3_json"
+    return "hermes"
 
 
 def parser_for(template: str | None, configured: str | None) -> str:
-    """The parser for a chat template: the configured one, else by template family (every
-    family known here writes Hermes syntax, and templates without tools get the Hermes
-    fallback prompt)."""
-    if configured:
+    """The parser for a chat template: the configured one, else (None or "auto") the one of the
+    template's family."""
+    if configured and configured != "auto":
         return configured
-    return "hermes"
+    return template_family(template)
 
 
 def parse_required(text: str, id_prefix: str = "call_") -> list[ToolCall] | None:

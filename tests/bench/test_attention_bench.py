@@ -19,15 +19,17 @@ def test_each_case_runs_in_both_dtypes_and_is_tabled():
     assert table[2].startswith("| 8 chunks of 65 rows after 863 | float32 |")
 
 
-def test_the_multi_turn_case_is_eight_chunks_of_their_own(monkeypatch):
+def test_the_multi_turn_case_is_eight_chunks_of_their_own():
     """Rows 0..64 read table 0 with lengths 864..928, rows 65..129 table 1, and so on."""
     seen = {}
 
-    def spy(q, kv, tables, lengths, out, scale, row_tables):
-        seen.update(rows=q.shape[0], tables=tables.shape[0], lengths=lengths, row_tables=row_tables)
+    class Spy:
+        def paged_attention(self, q, kv, tables, lengths, out, scale, row_tables):
+            seen.update(
+                rows=q.shape[0], tables=tables.shape[0], lengths=lengths, row_tables=row_tables
+            )
 
-    monkeypatch.setattr(attention_bench.native, "paged_attention", spy)
-    attention_bench._prefill(65, 863, 8, torch.float32)()
+    attention_bench._prefill(65, 863, 8, torch.float32, Spy())()
     assert seen["rows"] == 520 and seen["tables"] == 8
     assert seen["lengths"][:65].tolist() == list(range(864, 929))
     assert torch.equal(seen["row_tables"], torch.arange(8).repeat_interleave(65))

@@ -9,8 +9,8 @@ import pytest
 
 from kvserve.bench import big_model
 from kvserve.bench.big_model import LLAMA_1B_SHAPED, TINY, generate, model_file
-from kvserve.model import native, native_q4
 from kvserve.model.gguf import GGUFCheckpoint, read_header
+from kvserve.model.kernels import load_kernels
 
 
 def test_generated_files_have_the_spec_shape_and_the_default_tokenizer(tmp_path, model_path):
@@ -60,7 +60,7 @@ def tiny_q4_0(tmp_path_factory):
     return generate(TINY, ("Q4_0",), tmp_path_factory.mktemp("tiny"))["Q4_0"]
 
 
-@pytest.mark.skipif(not native.int8_gemm_available(), reason="int8 needs AVX512-VNNI or AVX2")
+@pytest.mark.skipif(not load_kernels().int8_gemm_isa, reason="int8 needs AVX512-VNNI or AVX2")
 def test_the_bench_measures_starts_and_decode_on_a_file(tiny_q4_0):
     from kvserve.bench.bigmodel_bench import (
         block_bytes,
@@ -81,7 +81,7 @@ def test_the_bench_measures_starts_and_decode_on_a_file(tiny_q4_0):
     assert "tiny Q4_0" in report and "batch-1 bound" in report and "Targets" in report
 
 
-@pytest.mark.skipif(not native_q4.q4_available(), reason="4-bit blocks need AVX512-VNNI")
+@pytest.mark.skipif(not load_kernels().q4, reason="4-bit blocks need AVX512-VNNI")
 def test_the_bench_measures_a_file_with_its_4_bit_blocks_kept(tiny_q4_0):
     from kvserve.bench.bigmodel_bench import format_report, measure_decode
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kvserve.bench import linear_bench
-from kvserve.model import native
+from kvserve.model.kernels import load_kernels
 
 pytestmark = pytest.mark.skipif(
-    not native.f32_gemm_available(), reason="the float32 row product needs AVX2 and FMA"
+    not load_kernels().f32_row_product, reason="the float32 row product needs AVX2 and FMA"
 )
 
 

@@ -7,10 +7,11 @@ import math
 import pytest
 
 from kvserve.bench import quality
-from kvserve.model import device_thread, native, native_q4
+from kvserve.model import device_thread
+from kvserve.model.kernels import load_kernels
 
 needs_kernels = pytest.mark.skipif(
-    not native.int8_gemm_available(), reason="needs the C kernels and AVX512-VNNI or AVX2"
+    not load_kernels().int8_gemm_isa, reason="needs the C kernels and AVX512-VNNI or AVX2"
 )
 
 
@@ -70,18 +71,19 @@ def test_missing_reference_leaves_the_columns_empty(loaded_fp32):
     assert "| — | — |" in table
 
 
-def test_configurations_whose_kernels_are_missing_are_named_with_the_reason(monkeypatch):
+def test_configurations_whose_kernels_are_missing_are_named_with_the_reason(kernels):
     """`make bench` on a CPU without VNNI runs what it can and says what it left out."""
-    monkeypatch.setattr(native, "kv_int8_available", lambda: False)
-    monkeypatch.setattr(native, "int8_gemm_isa", lambda: "AVX2")
-    monkeypatch.setattr(native_q4, "q4_available", lambda: False)
-    reasons = {c.name: quality.missing_kernels(c) for c in quality.CONFIGS}
+    import copy
+
+    avx2 = copy.copy(kernels)  # what a CPU with AVX2 and no AVX512 reports
+    avx2.kv_int8, avx2.int8_gemm_isa, avx2.q4 = False, "AVX2", False
+    reasons = {c.name: quality.missing_kernels(c, avx2) for c in quality.CONFIGS}
     assert reasons["float32"] is None and reasons["bf16"] is None
     assert reasons["int8 linear"] is None and reasons["int8 linear, float32"] is None
     assert reasons["int8 KV cache"] == "the int8 KV cache needs AVX512-VNNI"
     assert reasons["int8 linear + int8 KV cache"] == "the int8 KV cache needs AVX512-VNNI"
     assert reasons["4-bit blocks"] == "4-bit blocks need AVX512-VNNI"
-    monkeypatch.setattr(native, "int8_gemm_isa", lambda: None)
-    assert quality.missing_kernels(quality.INT8_LINEAR) == (
+    avx2.int8_gemm_isa = None
+    assert quality.missing_kernels(quality.INT8_LINEAR, avx2) == (
         "int8 linear layers need AVX512-VNNI or AVX2"
     )

@@ -53,10 +53,13 @@ def small_engine_config(
 @pytest.fixture(scope="session")
 def server_factory(loaded_default):
     """`start(engine_config=..., server_config=..., sock=..., loaded=...) -> BackgroundServer`,
-    ready (on the session's default model unless `loaded` names another).
+    ready (on the session's default model unless `loaded` names another; a loaded encoder is
+    served for embeddings only).
 
     Servers not stopped by the test are stopped when the session ends."""
+    from kvserve.engine.embedding import EmbeddingEngine
     from kvserve.engine.engine import Engine
+    from kvserve.model.bert import LoadedEncoder
     from kvserve.server.app import create_app
     from tests.e2e.harness import BackgroundServer
 
@@ -71,10 +74,13 @@ def server_factory(loaded_default):
     ) -> BackgroundServer:
         config = engine_config or small_engine_config()
         model = loaded or loaded_default
-        app = create_app(
-            server_config or ServerConfig(),
-            lambda observer: Engine(config, loaded=model, observer=observer, record_steps=True),
-        )
+
+        def engine(observer):
+            if isinstance(model, LoadedEncoder):  # an embedding-only model
+                return EmbeddingEngine(config, model, observer=observer)
+            return Engine(config, loaded=model, observer=observer, record_steps=True)
+
+        app = create_app(server_config or ServerConfig(), engine)
         server = BackgroundServer(app, sock=sock).start()
         started.append(server)
         server.wait_ready()
@@ -281,11 +287,14 @@ class RawClient:
         for line in header_lines:
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
+        self._ndjson = headers.get("content-type", "").startswith("application/x-ndjson")
         return int(status_line.split()[1]), headers
 
     def read_events(self, count: int) -> bytes:
-        """Read until `count` SSE events have arrived; returns everything after the head."""
-        while self._buffer.count(b"data: ") < count:
+        """Read until `count` SSE events (or, for an NDJSON answer, objects) have arrived;
+        returns everything after the head."""
+        marker = b'"done":' if getattr(self, "_ndjson", False) else b"data: "
+        while self._buffer.count(marker) < count:
             chunk = self.sock.recv(4096)
             if not chunk:
                 raise ConnectionError(f"closed before {count} events")

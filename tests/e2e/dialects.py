@@ -1,5 +1,5 @@
 """The API's dialects as the seed-rule tests see them: one request shape, how its answer ends
-(stop reason and usage on the final event), and its 429 body.
+(stop reason and usage on the final event or NDJSON object), and its 429 body.
 
 The overload, disconnect and slow-consumer tests are parametrized over `DIALECTS`, so every rule
 is checked once per dialect from one test body.
@@ -10,7 +10,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-LENGTH_ENDINGS = {"chat": "length", "anthropic": "max_tokens", "responses": "incomplete"}
+from kvserve.model.paths import DEFAULT_MODEL_NAME
+
+LENGTH_ENDINGS = {
+    "chat": "length",
+    "anthropic": "max_tokens",
+    "responses": "incomplete",
+    "ollama": "length",
+}
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,10 @@ class Dialect:
                 payload["stream_options"] = {"include_usage": True}
         elif self.name == "anthropic":
             payload = {"messages": messages, "max_tokens": max_tokens}
+        elif self.name == "ollama":
+            # The servers under test serve the default model under its own name.
+            options = {"num_predict": max_tokens}
+            payload = {"model": DEFAULT_MODEL_NAME, "messages": messages, "options": options}
         else:
             payload = {"input": messages, "max_output_tokens": max_tokens}
         payload.update(stream=stream, ignore_eos=ignore_eos)
@@ -39,7 +50,10 @@ class Dialect:
 
     def events(self, body: bytes) -> list[dict | str]:
         """The SSE data of a streamed body, JSON-decoded (`[DONE]` kept as the string); every
-        frame of the Anthropic and Responses dialects must name its type in an `event:` line."""
+        frame of the Anthropic and Responses dialects must name its type in an `event:` line.
+        Ollama's body is NDJSON: one object per line."""
+        if self.name == "ollama":
+            return [json.loads(line) for line in body.decode().splitlines() if line.strip()]
         frames = [frame for frame in body.decode().split("\n\n") if frame.strip()]
         out: list[dict | str] = []
         for frame in frames:
@@ -64,8 +78,14 @@ class Dialect:
                 return answer["choices"][0]["finish_reason"], answer["usage"]["completion_tokens"]
             if self.name == "anthropic":
                 return answer["stop_reason"], answer["usage"]["output_tokens"]
+            if self.name == "ollama":
+                assert answer["done"] is True
+                return answer["done_reason"], answer["eval_count"]
             return answer["status"], answer["usage"]["output_tokens"]
         events = self.events(body)
+        if self.name == "ollama":
+            assert [event["done"] for event in events] == [False] * (len(events) - 1) + [True]
+            return events[-1]["done_reason"], events[-1]["eval_count"]
         if self.name == "chat":
             assert events[-1] == "[DONE]"
             # The last content chunk carries the finish reason; the usage chunk follows it.
@@ -88,6 +108,10 @@ class Dialect:
     def rate_limited(self, body: bytes, code: str) -> None:
         """Check a 429 body: the dialect's error shape, saying what overflowed."""
         error = json.loads(body)
+        if self.name == "ollama":
+            assert set(error) == {"error"} and isinstance(error["error"], str)
+            assert error["error"]
+            return
         if self.name == "anthropic":
             assert error["type"] == "error"
             assert error["error"]["type"] == "overloaded_error"
@@ -99,6 +123,9 @@ class Dialect:
     def stream_error(self, body: bytes) -> dict:
         """The error event that ended a stream after its 200: (type, message)."""
         events = self.events(body)
+        if self.name == "ollama":
+            assert set(events[-1]) == {"error"}
+            return {"message": events[-1]["error"]}
         if self.name == "chat":
             assert events[-1] == "[DONE]"
             return events[-2]["error"]
@@ -112,4 +139,5 @@ class Dialect:
 CHAT = Dialect("chat", "/v1/chat/completions")
 ANTHROPIC = Dialect("anthropic", "/v1/messages")
 RESPONSES = Dialect("responses", "/v1/responses")
-DIALECTS = [CHAT, ANTHROPIC, RESPONSES]
+OLLAMA = Dialect("ollama", "/api/chat")
+DIALECTS = [CHAT, ANTHROPIC, RESPONSES, OLLAMA]

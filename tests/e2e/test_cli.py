@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from kvserve.model import native
+from kvserve.model.kernels import load_kernels
 from kvserve.model.loader import cpu_has_bf16
 
 pytestmark = pytest.mark.slow
@@ -214,11 +214,12 @@ def test_serve_subprocess(stop_signal, int8):
         reply = httpx.post(url + "/v1/chat/completions", json=question, headers=headers, timeout=60)
         assert "Paris" in reply.json()["choices"][0]["message"]["content"]
         assert ("+ int8" in banner) == int8
+        assert "CPU kernels for " in banner and "layers: " in banner
         # The CPU's own float dtype: bf16 where it multiplies bf16 natively, else float32.
         dtype = "bfloat16" if cpu_has_bf16() else "float32"
         if int8:  # the banner says what auto chose, and why, in one line
             assert "precision: linear layers int8 (auto: the checkpoint is quantized" in banner
-            cache = "int8" if native.kv_int8_available() else dtype
+            cache = "int8" if load_kernels().kv_int8 else dtype
             assert f"KV cache {cache} (auto:" in banner
         else:
             assert f"precision: linear layers {dtype} (asked for); KV cache {dtype}" in banner
@@ -246,3 +247,80 @@ def test_serve_subprocess(stop_signal, int8):
     assert not any("Traceback" in line for line in stderr_lines), "".join(stderr_lines)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health")
+
+
+def test_serve_starts_warns_once_and_answers_with_an_unwritable_kernel_cache(tmp_path):
+    """$KVSERVE_CACHE_DIR where nothing can be written (under a regular file, which even root
+    cannot make a directory of): the kernels are built in a temporary directory instead, one
+    warning says so, and the server answers; /ready names what was built and for which CPU."""
+    blocker = tmp_path / "read-only"
+    blocker.write_text("a file, not a directory")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "KVSERVE_CACHE_DIR": str(blocker / "cache"),
+        "KVSERVE_NUM_KV_BLOCKS": "16",
+        "KVSERVE_MAX_NUM_SEQS": "1",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--max-model-len", "256"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    stderr_lines: list[str] = []
+    threading.Thread(target=lambda: stderr_lines.extend(process.stderr), daemon=True).start()
+    try:
+        _Lines(process.stdout).wait_for("listening on", timeout=300)
+        url = f"http://127.0.0.1:{port}"
+        ready = httpx.get(url + "/ready").json()
+        assert ready["status"] == "ready" and ready["kernels"]["families"]
+        assert ready["kernels"]["cpu_extensions"] == list(load_kernels().cpu_extensions)
+        question = {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12,
+            "temperature": 0,
+        }
+        reply = httpx.post(url + "/v1/chat/completions", json=question, timeout=120)
+        assert "Paris" in reply.json()["choices"][0]["message"]["content"]
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    warnings = [line for line in stderr_lines if "cannot be written" in line]
+    assert len(warnings) == 1, "".join(stderr_lines)
+    assert str(blocker / "cache" / "kernels") in warnings[0]
+
+
+def test_serve_an_embedding_model_directory(minilm_dir):
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVSERVE_DEVICE": "cpu"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvserve", "serve", str(minilm_dir), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        stdout = _Lines(process.stdout)
+        stdout.wait_for("listening on", timeout=240)
+        banner = "".join(stdout.lines)
+        assert "for embeddings (it generates no text)" in banner
+        assert "384 dimensions, mean pooling, normalized, inputs up to 256 tokens" in banner
+        url = f"http://127.0.0.1:{port}"
+        answer = httpx.post(url + "/v1/embeddings", json={"input": ["a", "b"]}, timeout=60)
+        assert answer.status_code == 200 and len(answer.json()["data"]) == 2
+        chat = {"messages": [{"role": "user", "content": "Hi"}]}
+        refused = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+        assert refused.status_code == 400 and "embedding model" in refused.text
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -344,3 +344,25 @@ def test_shared_and_cached_blocks_are_marked(server_factory, engine_config, unti
         server.stop()
     text = "\n".join(reader.raw)
     assert " ".join(prompt.split()[:4]) not in text
+
+
+def test_embedding_requests_are_reported_apart(server_factory, loaded_minilm):
+    """An embedding-only engine has a stream too: its snapshot has no slots or pool, and each
+    embedding request is reported as such (its inputs and tokens, never its text)."""
+    server = server_factory(loaded=loaded_minilm)
+    reader = EventReader(server.url)
+    try:
+        snapshot = reader.wait_for(lambda e: e["type"] == "snapshot")
+        assert snapshot["config"]["generates"] is False
+        assert snapshot["slots"] == [] and snapshot["embeddings"] == {"waiting": 0, "running": 0}
+        body = {"input": ["a secret sentence", "another one"]}
+        assert httpx.post(server.url + "/v1/embeddings", json=body).status_code == 200
+        update = reader.wait_for(lambda e: e.get("embedded"))
+        (job,) = update["embedded"]
+        assert (job["outcome"], job["num_inputs"]) == ("done", 2)
+        assert job["num_tokens"] > 2
+        assert reader.wait_for(lambda e: e.get("embedding_batches", 0) >= 1)
+        assert not any("secret" in line for line in reader.raw)
+    finally:
+        reader.close()
+        server.stop()

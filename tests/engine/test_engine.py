@@ -115,7 +115,7 @@ def test_sixteen_prompts_together_match_each_alone_fp32(loaded_fp32):
 def test_int8_prompts_together_match_each_alone(loaded_int8):
     """With int8 linear layers every row is computed alone (per-row activation scales, exact
     integer sums, per-row kernels): greedy tokens in a batch equal those run alone."""
-    if loaded_int8.model.int8.layers[0].qkv.panels is None:
+    if loaded_int8.model.layers[0].qkv.panels is None:
         pytest.skip("needs the packed int8 product (AVX512-VNNI or AVX2)")
     prompts = [chat_ids(loaded_int8, p) for p in PROMPTS]
     params = dict(max_tokens=24, temperature=0)

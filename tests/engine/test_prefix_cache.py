@@ -192,7 +192,7 @@ def test_n_answers_reserve_all_or_nothing_and_a_cancel_ends_all(loaded_fp32):
 
 def test_offline_api_returns_n_outputs_from_one_prefill(loaded_fp32):
     from kvserve.engine.llm import LLM
-    from kvserve.sampling import SamplingParams
+    from kvserve.params import SamplingParams
 
     ids = words(loaded_fp32.tokenizer, 30, 11)
     params = SamplingParams(max_tokens=4, temperature=0.8, seed=3, n=2, ignore_eos=True)

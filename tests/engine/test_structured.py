@@ -12,7 +12,6 @@ import torch
 
 from kvserve.engine.sampler import RowState, Sampler, apply_token_bitmask
 from kvserve.engine.structured import GrammarError, StructuredOutputManager, fill_bitmasks
-from kvserve.model import native
 from kvserve.params import SamplingParams, StructuredOutput
 from kvserve.request import InvalidRequest
 from tests.engine.helpers import collect, make_config, request, run_engine, text_of
@@ -24,11 +23,9 @@ def allowed_from_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])
-def test_bitmask_masks_exactly_the_cleared_bits(use_kernel, monkeypatch):
+def test_bitmask_masks_exactly_the_cleared_bits(use_kernel, kernels):
     if use_kernel:
-        assert native.library() is not None
-    else:
-        monkeypatch.setattr(native, "library", lambda: None)
+        assert kernels.has("bitmask")
     generator = torch.Generator().manual_seed(0)
     vocab = 100  # not a multiple of 32: the last word is partial
     logits = torch.randn(5, vocab, generator=generator)
@@ -36,7 +33,7 @@ def test_bitmask_masks_exactly_the_cleared_bits(use_kernel, monkeypatch):
     bitmask[1] = -1  # all allowed
     rows = [0, 2, 4]
     masked = logits.clone()
-    apply_token_bitmask(masked, bitmask, rows)
+    apply_token_bitmask(masked, bitmask, rows, kernels if use_kernel else None)
     allowed = allowed_from_bitmask(bitmask, vocab)
     for i, row in enumerate(rows):
         expected = torch.where(allowed[i], logits[row], -torch.inf)

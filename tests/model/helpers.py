@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 
 
@@ -23,12 +22,12 @@ def greedy_continuation(model, prompt_ids: list[int], num_tokens: int) -> list[i
     device = model.device
     blocks = list(range(-(-(len(prompt_ids) + num_tokens) // 32)))
     cache = KVCache(model.config, len(blocks), 32, model.dtype, device)
-    meta = build_metadata([Chunk(0, len(prompt_ids), blocks, True)], 32, device)
+    meta = model.attention.build_metadata([Chunk(0, len(prompt_ids), blocks, True)], 32)
     logits = model.forward(torch.tensor(prompt_ids, device=device), meta, cache)
     out = [int(logits[0].argmax())]
     while len(out) < num_tokens:
         pos = len(prompt_ids) + len(out) - 1
-        meta = build_metadata([Chunk(pos, 1, blocks, True)], 32, device)
+        meta = model.attention.build_metadata([Chunk(pos, 1, blocks, True)], 32)
         logits = model.forward(torch.tensor([out[-1]], device=device), meta, cache)
         out.append(int(logits[0].argmax()))
     return out

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvserve.bench.quality import chunk_logits
 from kvserve.config import CacheConfig
-from kvserve.model import native
+from kvserve.model.kernels import load_kernels
 from kvserve.model.kv_cache import KVCache, bytes_per_block, choose_pool_size
 from tests.engine.helpers import collect, make_config, request, run_engine, tokens_of
 from tests.engine.test_engine import chat_ids
@@ -18,8 +18,14 @@ from tests.model.test_quant import follows_float32
 
 CPU = torch.device("cpu")
 
+
+@pytest.fixture(scope="module")
+def native(kernels):
+    return kernels
+
+
 needs_kernels = pytest.mark.skipif(
-    not native.kv_int8_available(), reason="needs the C kernels and AVX512-VNNI"
+    not load_kernels().kv_int8, reason="needs the C kernels and AVX512-VNNI"
 )
 
 
@@ -36,7 +42,7 @@ def dequantized(kv: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_store_q8_rotates_like_rope_store_and_quantizes_each_row(dtype):
+def test_rope_store_q8_rotates_like_rope_store_and_quantizes_each_row(dtype, native):
     heads, kv_heads, head_dim, rows = 4, 2, 64, 6
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen(1)).to(dtype)
     positions = torch.tensor([0, 1, 2, 40, 41, 300])
@@ -68,7 +74,7 @@ def test_rope_store_q8_rotates_like_rope_store_and_quantizes_each_row(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [8, 6])  # groups of 4 (registers) and of 3
-def test_int8_paged_attention_matches_sdpa_on_the_dequantized_cache(dtype, head_dim, heads):
+def test_int8_paged_attention_matches_sdpa_on_the_dequantized_cache(dtype, head_dim, heads, native):
     kv_heads, block_size, num_blocks = 2, 32, 12
     kv = torch.randint(-127, 128, (2, kv_heads, num_blocks, block_size, head_dim), dtype=torch.int8)
     scales = torch.rand(2, kv_heads, num_blocks, block_size, generator=gen(2)) / 40
@@ -105,7 +111,7 @@ def test_int8_paged_attention_matches_sdpa_on_the_dequantized_cache(dtype, head_
 )
 @pytest.mark.parametrize("sharpness", [1.0, 8.0])  # flat and peaked attention
 def test_int8_prefill_tiles_match_each_row_alone_and_sdpa(
-    dtype, head_dim, heads, kv_heads, block_size, sharpness
+    dtype, head_dim, heads, kv_heads, block_size, sharpness, native
 ):
     """Rows of a prefill chunk on the int8 cache are worked on in tiles (kv_int8.c: scores and
     values in VNNI instructions, the softmax weights as 16-bit integers), in the same arithmetic
@@ -164,7 +170,7 @@ def test_int8_prefill_tiles_match_each_row_alone_and_sdpa(
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_attention_does_not_depend_on_the_block_size(dtype):
+def test_int8_attention_does_not_depend_on_the_block_size(dtype, native):
     """The same positions laid out in blocks of 32, 10, 3 and 300 give bit-identical attention,
     for a prefill chunk of 40 rows after 600 positions (spans of 256 keys, tiles of 32 rows) and
     a decode row."""
@@ -299,7 +305,11 @@ def test_engine_refuses_int8_cache_for_models_without_the_fused_path(tmp_path, l
     save_tiny(tmp_path, tiny_config("qwen3"))  # head_dim 32: no C kernels for it
     checkpoint = SafetensorsCheckpoint(tmp_path)
     model = LlamaModel.from_tensors(
-        checkpoint.config, checkpoint.get, dtype=torch.float32, device=CPU
+        checkpoint.config,
+        checkpoint.get,
+        dtype=torch.float32,
+        device=CPU,
+        kernels=loaded_fp32.kernels,
     )
     loaded = replace(loaded_fp32, model=model, config=checkpoint.config, path=tmp_path)
     with pytest.raises(ValueError, match="--kv-cache-dtype int8"):
@@ -311,7 +321,7 @@ def test_engine_refuses_int8_cache_for_models_without_the_fused_path(tmp_path, l
 
 
 @needs_kernels
-def test_qk_norm_model_on_an_int8_cache_follows_its_float_cache(tmp_path):
+def test_qk_norm_model_on_an_int8_cache_follows_its_float_cache(tmp_path, kernels):
     """q/k norms (qwen3) run between the qkv product and the int8 cache write."""
     from kvserve.model.llama import LlamaModel
     from kvserve.model.safetensors import SafetensorsCheckpoint
@@ -320,7 +330,7 @@ def test_qk_norm_model_on_an_int8_cache_follows_its_float_cache(tmp_path):
     save_tiny(tmp_path, tiny_config("qwen3", head_dim=64))
     checkpoint = SafetensorsCheckpoint(tmp_path)
     model = LlamaModel.from_tensors(
-        checkpoint.config, checkpoint.get, dtype=torch.float32, device=CPU
+        checkpoint.config, checkpoint.get, dtype=torch.float32, device=CPU, kernels=kernels
     )
     assert model.supports_int8_kv_cache
     ids = list(range(3, 70))
@@ -331,10 +341,9 @@ def test_qk_norm_model_on_an_int8_cache_follows_its_float_cache(tmp_path):
 
 
 def _all_logits_on(model, cache):
-    from kvserve.model.attention import build_metadata
     from tests.model.helpers import Chunk
 
-    meta = build_metadata([Chunk(0, 3, [0], True)], 32, CPU)
+    meta = model.attention.build_metadata([Chunk(0, 3, [0], True)], 32)
     return model.forward(torch.tensor([1, 2, 3]), meta, cache)
 
 

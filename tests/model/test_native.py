@@ -6,18 +6,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.model import native
-from kvserve.model.attention import build_metadata
+from kvserve.model.kernels import load_kernels
 from kvserve.model.kv_cache import KVCache
+from kvserve.model.linear.float import ROW_PRODUCT_ROWS, FloatLinear
 from tests.model.helpers import Chunk
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    assert native.library() is not None, "the C kernels must build on this machine"
+@pytest.fixture(scope="module")
+def native(kernels):
+    assert kernels.available, "the C kernels must build on this machine"
+    return kernels
 
 
 def gen(seed: int) -> torch.Generator:
@@ -26,7 +27,7 @@ def gen(seed: int) -> torch.Generator:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 40])
-def test_add_rmsnorm_matches_torch(dtype, rows):
+def test_add_rmsnorm_matches_torch(dtype, rows, native):
     x = torch.randn(rows, 576, generator=gen(0)) * 3
     delta = (torch.randn(rows, 576, generator=gen(1)) * 2).to(dtype)
     weight = torch.rand(576, generator=gen(2)) + 0.5
@@ -40,7 +41,7 @@ def test_add_rmsnorm_matches_torch(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_matches_torch(dtype):
+def test_silu_mul_matches_torch(dtype, native):
     gate_up = (torch.randn(17, 2 * 96, generator=gen(3)) * 4).to(dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
     expect = F.silu(gate) * up
@@ -49,7 +50,16 @@ def test_silu_mul_matches_torch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_store_matches_torch(dtype):
+def test_gelu_tanh_mul_matches_torch(dtype, native):
+    gate_up = (torch.randn(17, 2 * 96, generator=gen(13)) * 4).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expect = F.gelu(gate, approximate="tanh") * up
+    got = native.silu_mul(gate_up, activation="gelu_tanh").float()
+    assert (got - expect).abs().max() <= TOLERANCE[dtype] * expect.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_matches_torch(dtype, native):
     heads, kv_heads, head_dim, rows = 4, 2, 64, 6
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen(4)).to(dtype)
     positions = torch.tensor([0, 1, 2, 40, 41, 300])
@@ -79,7 +89,7 @@ def test_rope_store_matches_torch(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_paged_decode_matches_sdpa(dtype, head_dim):
+def test_paged_decode_matches_sdpa(dtype, head_dim, native):
     heads, kv_heads, block_size, num_blocks = 8, 2, 32, 12
     kv = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=gen(5)).to(dtype)
     lengths = torch.tensor([1, 33, 70, 96])
@@ -98,7 +108,7 @@ def test_paged_decode_matches_sdpa(dtype, head_dim):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [32, 10])
-def test_prefill_rows_share_a_table_and_are_causal_by_length(dtype, block_size):
+def test_prefill_rows_share_a_table_and_are_causal_by_length(dtype, block_size, native):
     """Rows of a prefill chunk (one table, lengths start+1, start+2, ...) next to a decode row
     of another sequence: each row equals causal attention over its own sequence."""
     heads, kv_heads, head_dim = 9, 3, 64
@@ -150,7 +160,7 @@ def laid_out(positions: torch.Tensor, block_size: int, seed: int):
 )
 @pytest.mark.parametrize("sharpness", [1.0, 8.0])  # flat and peaked attention
 def test_float32_rows_are_the_same_alone_in_a_tile_and_in_any_block_size(
-    head_dim, heads, kv_heads, sharpness
+    head_dim, heads, kv_heads, sharpness, native
 ):
     """In float32 a row's attention is computed in one arithmetic whatever its company
     (csrc/paged_attention.c): the rows of a prefill chunk, worked on in tiles, equal bit for bit
@@ -199,14 +209,16 @@ def test_float32_rows_are_the_same_alone_in_a_tile_and_in_any_block_size(
 
 
 needs_row_product = pytest.mark.skipif(
-    not native.f32_gemm_available(), reason="the float32 row product needs AVX2 and FMA"
+    not load_kernels().f32_row_product, reason="the float32 row product needs AVX2 and FMA"
 )
 
 
 @needs_row_product
 @pytest.mark.parametrize("n, k", [(960, 576), (7, 576), (4099, 1536), (5, 8)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_float32_row_product_matches_float64_and_each_row_is_the_same_in_any_batch(n, k, with_bias):
+def test_float32_row_product_matches_float64_and_each_row_is_the_same_in_any_batch(
+    n, k, with_bias, native
+):
     g = gen(n + k)
     weight = torch.randn(n, k, generator=g)
     bias = torch.randn(n, generator=g) if with_bias else None
@@ -227,12 +239,10 @@ def test_float32_row_product_matches_float64_and_each_row_is_the_same_in_any_bat
 
 
 @needs_row_product
-def test_float32_linear_layers_take_the_row_product_up_to_its_row_count():
-    from kvserve.model.linear import ROW_PRODUCT_ROWS, Linear
-
+def test_float32_linear_layers_take_the_row_product_up_to_its_row_count(native):
     g = gen(3)
     weight, bias = torch.randn(100, 64, generator=g), torch.randn(100, generator=g)
-    layer = Linear(weight, bias)
+    layer = FloatLinear(weight, bias, native)
     few = torch.randn(ROW_PRODUCT_ROWS, 64, generator=g)
     assert torch.equal(layer(few), native.f32_gemm(few, weight, bias))
     many = torch.randn(ROW_PRODUCT_ROWS + 1, 64, generator=g)
@@ -242,24 +252,28 @@ def test_float32_linear_layers_take_the_row_product_up_to_its_row_count():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_forward_matches_plain_forward(loaded_fp32, loaded_bf16, dtype):
-    loaded = loaded_fp32 if dtype == "float32" else loaded_bf16
-    model = loaded.model
-    assert model.fused
+def test_kernel_forward_matches_the_torch_ops_forward(
+    loaded_fp32, loaded_bf16, loaded_fp32_torch_ops, loaded_bf16_torch_ops, dtype
+):
+    """The model on the C kernels (fused layer ops, paged attention, row product) against the
+    same weights loaded with no kernels at all: the torch ops a machine without a C compiler
+    (or a CUDA device) runs."""
+    if dtype == "float32":
+        loaded, plain_loaded = loaded_fp32, loaded_fp32_torch_ops
+    else:
+        loaded, plain_loaded = loaded_bf16, loaded_bf16_torch_ops
     ids = loaded.tokenizer.encode("The fused path and the plain path compute the same layer.")
+    assert loaded.model.attention.name == "cpu-paged"
+    assert plain_loaded.model.attention.name == "torch-sdpa"
 
-    def run(fused: bool):
-        model.fused = fused
-        try:
-            cache = KVCache(model.config, 8, 32, model.dtype, CPU)
-            chunks = [Chunk(0, len(ids) - 1, [4, 2], True)]
-            first = model.forward(torch.tensor(ids[:-1]), build_metadata(chunks, 32, CPU), cache)
-            meta = build_metadata([Chunk(len(ids) - 1, 1, [4, 2], True)], 32, CPU)
-            return first, model.forward(torch.tensor(ids[-1:]), meta, cache)
-        finally:
-            model.fused = True
+    def run(model):
+        cache = KVCache(model.config, 8, 32, model.dtype, CPU)
+        meta = model.attention.build_metadata([Chunk(0, len(ids) - 1, [4, 2], True)], 32)
+        first = model.forward(torch.tensor(ids[:-1]), meta, cache)
+        meta = model.attention.build_metadata([Chunk(len(ids) - 1, 1, [4, 2], True)], 32)
+        return first, model.forward(torch.tensor(ids[-1:]), meta, cache)
 
-    plain, fused = run(False), run(True)
+    plain, fused = run(plain_loaded.model), run(loaded.model)
     for a, b in zip(plain, fused, strict=True):
         if dtype == "float32":
             assert (a - b).abs().max() <= 1e-4
@@ -277,23 +291,100 @@ def test_native_attention_matches_torch_attention_in_prefill_and_decode(loaded_f
     b = tok.encode("A second sequence continues its prompt in the middle of a chunk here.")
     c = tok.encode("The third one is decoding.")
 
-    def run(native: bool):
-        saved = model.native
-        model.native = native
-        try:
-            cache = KVCache(model.config, 16, 32, model.dtype, CPU)
-            first = [Chunk(0, 10, [7, 1], False), Chunk(0, len(c) - 1, [3], False)]
-            model.forward(
-                torch.tensor(b[:10] + c[:-1]), build_metadata(first, 32, CPU, native=native), cache
-            )
-            chunks = [
-                Chunk(0, len(a), [9, 12], True),
-                Chunk(10, len(b) - 10, [7, 1], True),
-                Chunk(len(c) - 1, 1, [3], True),
-            ]
-            meta = build_metadata(chunks, 32, CPU, native=native)
-            return model.forward(torch.tensor(a + b[10:] + c[-1:]), meta, cache)
-        finally:
-            model.native = saved
+    def run(model):
+        cache = KVCache(model.config, 16, 32, model.dtype, CPU)
+        first = [Chunk(0, 10, [7, 1], False), Chunk(0, len(c) - 1, [3], False)]
+        meta = model.attention.build_metadata(first, 32)
+        model.forward(torch.tensor(b[:10] + c[:-1]), meta, cache)
+        chunks = [
+            Chunk(0, len(a), [9, 12], True),
+            Chunk(10, len(b) - 10, [7, 1], True),
+            Chunk(len(c) - 1, 1, [3], True),
+        ]
+        meta = model.attention.build_metadata(chunks, 32)
+        return model.forward(torch.tensor(a + b[10:] + c[-1:]), meta, cache)
 
-    assert (run(True) - run(False)).abs().max() <= 1e-4
+    assert model.attention.name == "cpu-paged"
+    assert (run(model) - run(model.torch_attention())).abs().max() <= 1e-4
+
+
+def _reference_rows(q, positions, lengths, scale, window=None, softcap=None):
+    """Each row's attention over its own positions (the last `window` of them), scores capped
+    as C tanh(s / C): q [rows, heads, d]; positions [2, kv_heads, length, d] float32."""
+    heads, kv_heads = q.shape[1], positions.shape[1]
+    keys = positions.repeat_interleave(heads // kv_heads, 1)
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, length in enumerate(lengths.tolist()):
+        first = max(0, length - window) if window else 0
+        k, v = keys[0, :, first:length].double(), keys[1, :, first:length].double()
+        scores = torch.einsum("hd,hjd->hj", q[i].double(), k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        out[i] = torch.einsum("hj,hjd->hd", scores.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "window, softcap", [(16, None), (50, None), (None, 20.0), (7, 5.0), (1, None)]
+)
+def test_sliding_window_and_soft_cap_rows_match_the_reference_alone_and_in_a_tile(
+    dtype, window, softcap, native
+):
+    """A windowed row attends to the last `window` positions of its sequence only, a capped
+    score is C tanh(s / C); rows of a prefill chunk (windows starting mid-block, blocks wholly
+    outside every window skipped) equal the same rows alone, bit for bit, in any block size."""
+    heads, kv_heads, head_dim = 6, 2, 64
+    start, n, length = 40, 37, 77
+    positions = torch.randn(2, kv_heads, length, head_dim, generator=gen(30)).to(dtype)
+    q = (torch.randn(n + 1, heads, head_dim, generator=gen(31)) * 3).to(dtype)
+    lengths = torch.cat([torch.arange(start + 1, start + n + 1), torch.tensor([9])])
+    row_tables = torch.tensor([0] * n + [1])
+    scale = head_dim**-0.5
+    expect = _reference_rows(q.float(), positions.float(), lengths, scale, window, softcap)
+    results = []
+    for block_size in (32, 10, 3):
+        kv, order = laid_out(positions, block_size, block_size)
+        # positions wholly before every window hold garbage: they must never be read
+        if window is not None:
+            dead = max(0, (start + 1 - window) // block_size)
+            kv[:, :, order[:dead]] = float("nan")
+        tables = order[None].repeat(2, 1)
+        out = torch.empty_like(q)
+        native.paged_attention(
+            q, kv, tables, lengths, out, scale, row_tables, window=window, softcap=softcap
+        )
+        alone = torch.empty_like(q)
+        for i in range(n if window is not None else n + 1):
+            native.paged_attention(
+                q[i : i + 1], kv, order[None], lengths[i : i + 1], alone[i : i + 1], scale,
+                window=window, softcap=softcap,
+            )  # fmt: skip
+        rows = n if window is not None else n + 1  # the last row's sequence is the NaN-free one
+        assert torch.equal(out[:rows], alone[:rows])
+        if dtype == torch.float32:
+            assert (out[:n].double() - expect[:n]).abs().max() <= 1e-5
+        else:
+            assert (out[:n].double() - expect[:n]).abs().max() <= 2e-2
+        results.append(out[:n])
+    if dtype == torch.float32:
+        for other in results[1:]:
+            assert torch.equal(results[0], other)
+
+
+def test_attention_refuses_a_window_on_the_int8_cache_and_nonsense_values(native):
+    q = torch.randn(1, 2, 64)
+    kv = torch.zeros(2, 1, 1, 16, 64)
+    tables, lengths, out = (
+        torch.zeros(1, 1, dtype=torch.long),
+        torch.tensor([3]),
+        torch.empty(1, 2, 64),
+    )
+    for kwargs in ({"window": 0}, {"softcap": -1.0}):
+        with pytest.raises(ValueError):
+            native.paged_attention(q, kv, tables, lengths, out, 0.125, **kwargs)
+    scales = torch.zeros(2, 1, 1, 16)
+    with pytest.raises(ValueError, match="int8"):
+        native.paged_attention(
+            q, kv.to(torch.int8), tables, lengths, out, 0.125, kv_scales=scales, window=4
+        )

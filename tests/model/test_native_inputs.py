@@ -1,4 +1,4 @@
-"""The C kernels defend themselves: every wrapper in kvserve.model.native takes zero rows
+"""The C kernels defend themselves: every method of kvserve.model.kernels.CpuKernels takes zero rows
 without entering C, refuses shapes and dtypes it cannot take (KernelInputError, nothing run),
 and a step whose indices point outside the cache or the RoPE tables is refused before its first
 kernel, in every configuration. None of these may signal or corrupt memory."""
@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.model import native
-from kvserve.model.attention import build_metadata
+from kvserve.model.kernels import DriverStep, KernelInputError, load_kernels
 from kvserve.model.kv_cache import KVCache
-from kvserve.model.native import KernelInputError
+from kvserve.model.linear.int8 import pack_int8_weight
 from tests.configurations import params
 from tests.model.helpers import Chunk
 
@@ -19,13 +18,14 @@ CPU = torch.device("cpu")
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 WIDTH = (HEADS + 2 * KV_HEADS) * HEAD_DIM
 needs_int8_gemm = pytest.mark.skipif(
-    not native.int8_gemm_available(), reason="needs AVX512-VNNI or AVX2"
+    not load_kernels().int8_gemm_isa, reason="needs AVX512-VNNI or AVX2"
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    assert native.library() is not None, "the C kernels must build on this machine"
+@pytest.fixture(scope="module")
+def native(kernels):
+    assert kernels.available, "the C kernels must build on this machine"
+    return kernels
 
 
 def tables(rows: int = 0):
@@ -34,7 +34,7 @@ def tables(rows: int = 0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_zero_rows_reach_no_kernel(dtype):
+def test_zero_rows_reach_no_kernel(dtype, native):
     empty_i64 = torch.empty(0, dtype=torch.int64)
     x = torch.empty(0, 128)
     assert native.add_rmsnorm(x, None, torch.ones(128), 1e-5, dtype).shape == (0, 128)
@@ -64,34 +64,30 @@ def test_zero_rows_reach_no_kernel(dtype):
     assert out.shape == (0, 128) and out.dtype == dtype
     assert native.rotate_rows(x, torch.eye(128)).shape == (0, 128)
     assert native.topk_rows(torch.empty(0, 100), 8).shape == (0, 8)
-    if native.f32_gemm_available():
+    if native.f32_row_product:
         assert native.f32_gemm(x, torch.ones(5, 128)).shape == (0, 5)
+    native.qk_norm(
+        torch.empty(0, WIDTH, dtype=dtype), HEADS, HEAD_DIM, torch.ones(HEADS, HEAD_DIM), 1e-5
+    )
 
 
 @needs_int8_gemm
-def test_zero_rows_through_the_int8_product_and_the_int8_forward(loaded_int8):
+def test_zero_rows_through_the_int8_product_and_the_int8_driver(loaded_int8, native):
     weight = torch.randint(-127, 128, (100, 64), dtype=torch.int8)
-    panels, correction = native.pack_int8_weight(weight)
+    panels, correction = pack_int8_weight(weight)
     out = native.int8_gemm(torch.empty(0, 64, dtype=torch.int8), panels, correction, 100)
     assert out.shape == (0, 100)
     model = loaded_int8.model
+    assert model.driver is not None
     cache = KVCache(model.config, 2, 32, model.dtype, CPU)
-    meta = build_metadata([], 32, CPU, native=True)
-    x = torch.empty(0, model.config.hidden_size)
-    weights = model.int8
-    native.forward_int8(
-        x, weights.native_layers, cache.kv, None,
-        heads=model.config.num_heads, kv_heads=model.config.num_kv_heads,
-        head_dim=model.config.head_dim, intermediate=model.config.intermediate_size,
-        down_block=weights.down_block, eps=1e-5, scale=0.1, dtype=model.dtype,
-        positions=meta.positions, cos_half=model.rope_cos_half, sin_half=model.rope_sin_half,
-        slots=meta.slot_mapping, tables=meta.chunk_tables, row_tables=meta.row_tables,
-        lengths=meta.row_lengths,
-    )  # fmt: skip
+    meta = model.attention.build_metadata([], 32)
+    rope = model.attention.rope
+    step = DriverStep(meta, rope.cos_half, rope.sin_half)
+    model.driver.run(torch.empty(0, model.config.hidden_size), step, cache, model.dtype)
     assert not cache.kv.any()
 
 
-def test_shapes_and_dtypes_the_kernels_cannot_take_are_refused():
+def test_shapes_and_dtypes_the_kernels_cannot_take_are_refused(native):
     cos, sin = tables()
     kv = torch.zeros(2, KV_HEADS, 4, 32, HEAD_DIM)
     rows = torch.tensor([0, 1])
@@ -130,11 +126,21 @@ def test_shapes_and_dtypes_the_kernels_cannot_take_are_refused():
         native.silu_mul_q8(torch.zeros(2, 96, dtype=torch.int32), torch.ones(2), torch.ones(96), 3)
     with pytest.raises(KernelInputError, match="contiguous"):
         native.rotate_rows(torch.zeros(128, 4).t(), torch.eye(128))
+    with pytest.raises(KernelInputError, match="q/k norms"):
+        native.qk_norm(
+            torch.zeros(2, WIDTH), HEADS + KV_HEADS, HEAD_DIM, torch.ones(3, HEAD_DIM), 1e-5
+        )
+    with pytest.raises(KernelInputError, match="do not fit"):
+        native.qk_norm(torch.zeros(2, 64), HEADS, HEAD_DIM, torch.ones(HEADS, HEAD_DIM), 1e-5)
+    with pytest.raises(KernelInputError, match="bitmask rows"):
+        native.apply_token_bitmask(
+            torch.zeros(2, 64), torch.zeros(1, 2, dtype=torch.int32), torch.tensor([2])
+        )
     weight = torch.zeros(64, 64, dtype=torch.int8)
-    panels, correction = native.pack_int8_weight(weight)
+    panels, correction = pack_int8_weight(weight)
     with pytest.raises(KernelInputError, match="panels"):  # k of 32 against a 64-wide weight
         native.int8_gemm(torch.zeros(2, 32, dtype=torch.int8), panels, correction, 64)
-    if native.f32_gemm_available():
+    if native.f32_row_product:
         with pytest.raises(KernelInputError, match="weight has size 32"):  # k of 64 against 32
             native.f32_gemm(torch.zeros(2, 64), torch.zeros(10, 32))
         with pytest.raises(KernelInputError, match="multiple of 8"):
@@ -144,7 +150,7 @@ def test_shapes_and_dtypes_the_kernels_cannot_take_are_refused():
         with pytest.raises(KernelInputError, match="weight must be torch.float32"):
             native.f32_gemm(torch.zeros(2, 64), torch.zeros(10, 64, dtype=torch.bfloat16))
     with pytest.raises(KernelInputError, match="k % 4"):
-        native.pack_int8_weight(torch.zeros(8, 6, dtype=torch.int8))  # fmt: skip
+        pack_int8_weight(torch.zeros(8, 6, dtype=torch.int8))
 
 
 @pytest.fixture(params=params())
@@ -159,10 +165,10 @@ def test_a_prefill_chunk_that_samples_nothing(configured):
     """The first chunk of a long prompt asks for no logits: every path returns [0, vocab]
     (the int8 lm_head once divided by zero here and killed the process)."""
     model, cache = configured
-    meta = build_metadata([Chunk(0, 40, [0, 1], False)], 32, CPU, native=model.native)
+    meta = model.attention.build_metadata([Chunk(0, 40, [0, 1], False)], 32)
     logits = model.forward(torch.arange(100, 140), meta, cache)
     assert logits.shape == (0, model.config.vocab_size)
-    meta = build_metadata([Chunk(40, 3, [0, 1], True)], 32, CPU, native=model.native)
+    meta = model.attention.build_metadata([Chunk(40, 3, [0, 1], True)], 32)
     assert model.forward(torch.arange(140, 143), meta, cache).shape == (1, model.config.vocab_size)
 
 
@@ -180,10 +186,9 @@ def test_a_prefill_chunk_that_samples_nothing(configured):
 )
 def test_a_step_with_indices_outside_the_cache_is_refused(configured, corrupt, message):
     model, cache = configured
-    if not model.native:
-        pytest.skip("the torch path indexes with bounds checks of its own")
+    assert model.attention.name == "cpu-paged", "the C kernels must build on this machine"
     before = cache.kv.clone()
-    meta = build_metadata([Chunk(0, 3, [2], True)], 32, CPU, native=True)
+    meta = model.attention.build_metadata([Chunk(0, 3, [2], True)], 32)
     corrupt(meta)
     with pytest.raises(KernelInputError, match=message):
         model.forward(torch.tensor([5, 6, 7]), meta, cache)

@@ -7,28 +7,29 @@ import random
 import pytest
 import torch
 
-from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 from tests.model.helpers import Chunk
 
 CPU = torch.device("cpu")
 
 
+def backend(model, native: bool):
+    """The model as loaded (the C kernels' attention) or attending by torch ops."""
+    assert model.attention.name == "cpu-paged", "the C kernels must build on this machine"
+    return model if native else model.torch_attention()
+
+
 def run_chunked(model, ids: list[int], chunk_sizes: list[int], blocks: list[int], native: bool):
     """Feed `ids` in chunks of the given sizes; return the last position's logits."""
-    saved = model.native
-    model.native = native and saved
-    try:
-        cache = KVCache(model.config, 64, 32, model.dtype, CPU)
-        start, logits = 0, None
-        for size in chunk_sizes:
-            meta = build_metadata([Chunk(start, size, blocks, True)], 32, CPU)
-            logits = model.forward(torch.tensor(ids[start : start + size]), meta, cache)
-            start += size
-        assert start == len(ids)
-        return logits[0]
-    finally:
-        model.native = saved
+    model = backend(model, native)
+    cache = KVCache(model.config, 64, 32, model.dtype, CPU)
+    start, logits = 0, None
+    for size in chunk_sizes:
+        meta = model.attention.build_metadata([Chunk(start, size, blocks, True)], 32)
+        logits = model.forward(torch.tensor(ids[start : start + size]), meta, cache)
+        start += size
+    assert start == len(ids)
+    return logits[0]
 
 
 @pytest.fixture(scope="module")
@@ -87,29 +88,25 @@ def test_interleaved_sequences_match_each_alone(loaded_fp32, native):
 
     # Together: step 1 prefills all but the last token of every sequence, chunked unevenly and
     # interleaved; step 2 runs the last token of each as a decode row in one flat batch.
-    saved = model.native
-    model.native = native and saved
-    try:
-        cache = KVCache(model.config, 48, 32, model.dtype, CPU)
-        done = [0] * len(seqs)
-        order = [0, 2, 1, 3]
-        while any(done[i] < len(seqs[i]) - 1 for i in order):
-            chunks, ids = [], []
-            for i in order:
-                remaining = len(seqs[i]) - 1 - done[i]
-                if remaining <= 0:
-                    continue
-                size = min(remaining, rng.choice([3, 5, 9, 13]))
-                chunks.append(Chunk(done[i], size, tables[i], False))
-                ids += seqs[i][done[i] : done[i] + size]
-                done[i] += size
-            meta = build_metadata(chunks, 32, CPU)
-            model.forward(torch.tensor(ids), meta, cache)
-        chunks = [Chunk(len(s) - 1, 1, t, True) for s, t in zip(seqs, tables, strict=True)]
-        meta = build_metadata(chunks, 32, CPU)
-        together = model.forward(torch.tensor([s[-1] for s in seqs]), meta, cache)
-    finally:
-        model.native = saved
+    model = backend(model, native)
+    cache = KVCache(model.config, 48, 32, model.dtype, CPU)
+    done = [0] * len(seqs)
+    order = [0, 2, 1, 3]
+    while any(done[i] < len(seqs[i]) - 1 for i in order):
+        chunks, ids = [], []
+        for i in order:
+            remaining = len(seqs[i]) - 1 - done[i]
+            if remaining <= 0:
+                continue
+            size = min(remaining, rng.choice([3, 5, 9, 13]))
+            chunks.append(Chunk(done[i], size, tables[i], False))
+            ids += seqs[i][done[i] : done[i] + size]
+            done[i] += size
+        meta = model.attention.build_metadata(chunks, 32)
+        model.forward(torch.tensor(ids), meta, cache)
+    chunks = [Chunk(len(s) - 1, 1, t, True) for s, t in zip(seqs, tables, strict=True)]
+    meta = model.attention.build_metadata(chunks, 32)
+    together = model.forward(torch.tensor([s[-1] for s in seqs]), meta, cache)
     for i in range(len(seqs)):
         assert (together[i] - alone[i]).abs().max().item() <= 1e-4
 
@@ -123,11 +120,10 @@ def test_prefill_and_decode_rows_mixed_in_one_step(loaded_fp32):
     alone_a = run_chunked(model, a, [len(a)], [4, 1], True)
     alone_b = run_chunked(model, b, [len(b) - 1, 1], [9, 2], True)
     cache = KVCache(model.config, 16, 32, model.dtype, CPU)
-    model.forward(
-        torch.tensor(b[:-1]), build_metadata([Chunk(0, len(b) - 1, [9, 2], False)], 32, CPU), cache
-    )
-    meta = build_metadata(
-        [Chunk(0, len(a), [4, 1], True), Chunk(len(b) - 1, 1, [9, 2], True)], 32, CPU
+    meta = model.attention.build_metadata([Chunk(0, len(b) - 1, [9, 2], False)], 32)
+    model.forward(torch.tensor(b[:-1]), meta, cache)
+    meta = model.attention.build_metadata(
+        [Chunk(0, len(a), [4, 1], True), Chunk(len(b) - 1, 1, [9, 2], True)], 32
     )
     both = model.forward(torch.tensor(a + b[-1:]), meta, cache)
     assert (both[0] - alone_a).abs().max().item() <= 1e-4

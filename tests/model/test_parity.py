@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.model.attention import build_metadata
 from kvserve.model.kv_cache import KVCache
 from tests.model.helpers import Chunk, greedy_continuation, reference_greedy
 
@@ -31,7 +30,7 @@ def test_logits_match_transformers_at_every_position(loaded_fp32, hf_reference):
     assert len(ids) >= 37
     model = loaded_fp32.model
     cache = KVCache(model.config, 8, 32, torch.float32, torch.device("cpu"))
-    meta = build_metadata([Chunk(0, len(ids), [5, 2, 7], True)], 32, torch.device("cpu"))
+    meta = model.attention.build_metadata([Chunk(0, len(ids), [5, 2, 7], True)], 32)
     meta.logits_indices = torch.arange(len(ids))  # every position, not only the last
     ours = model.forward(torch.tensor(ids), meta, cache)
     with torch.no_grad():

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.bench.quality import chunk_logits, score_tokens
-from kvserve.model import native, quant
-from kvserve.model.attention import build_metadata
+from kvserve.model.kernels import KernelInputError, load_kernels
 from kvserve.model.kv_cache import KVCache
-from kvserve.model.llama import LayerWeights, LlamaModel
+from kvserve.model.linear import int8 as quant
+from kvserve.model.llama import LlamaModel
 from kvserve.model.safetensors import SafetensorsCheckpoint
 from tests.model.helpers import Chunk, greedy_continuation
 from tests.model.test_safetensors import save_tiny, tiny_config
@@ -20,8 +20,14 @@ from tests.model.test_safetensors import save_tiny, tiny_config
 CPU = torch.device("cpu")
 
 needs_kernels = pytest.mark.skipif(
-    not native.int8_gemm_available(), reason="needs the C kernels and AVX512-VNNI or AVX2"
+    not load_kernels().int8_gemm_isa, reason="needs the C kernels and AVX512-VNNI or AVX2"
 )
+
+
+@pytest.fixture(scope="module")
+def native(kernels):
+    return kernels
+
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes "
@@ -71,10 +77,10 @@ def test_block_hadamard_and_down_block():
     assert torch.allclose(rotation.right(w), w @ dense, atol=1e-4)
 
 
-def _random_layer(config, bias: bool) -> LayerWeights:
+def _random_layer(config, bias: bool) -> SimpleNamespace:
     g = torch.Generator().manual_seed(1)
     h, q, kv, i = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
-    return LayerWeights(
+    return SimpleNamespace(
         attn_norm=1 + 0.3 * torch.randn(h, generator=g),
         qkv=torch.randn(q + 2 * kv, h, generator=g),
         qkv_bias=torch.randn(q + 2 * kv, generator=g) if bias else None,
@@ -97,7 +103,18 @@ def test_rotated_layer_computes_the_same_function(bias):
     layer = _random_layer(config, bias)
     residual = quant.residual_rotation(96)
     block = quant.down_block(192)
-    rotated = quant.rotate_layer(config, layer, residual, block)
+    rotated = quant.rotate_layer(
+        config,
+        layer.qkv,
+        layer.qkv_bias,
+        layer.o,
+        layer.gate_up,
+        layer.down,
+        layer.attn_norm,
+        layer.mlp_norm,
+        residual,
+        block,
+    )
     r = residual.matrix()
     per_head = torch.block_diag(*[quant.hadamard(16).float()] * 2)
     x = torch.randn(5, 96)
@@ -122,10 +139,10 @@ def test_rotated_layer_computes_the_same_function(bias):
     assert torch.allclose(m_rotated @ rotated.down.t(), (m @ layer.down.t()) @ r, atol=1e-3)
 
 
-def test_weight_quantization_is_per_output_channel():
+def test_weight_quantization_is_per_output_channel(native):
     w = torch.randn(10, 32) * torch.linspace(0.01, 10, 10)[:, None]
     w[3] = 0
-    q = quant.Int8Weight.quantize(w)
+    q = quant.Int8Linear.quantize(w, kernels=native)
     scale = q.scale
     assert q.out_features == 10 and scale[3] == 1.0
     weight = q.weight if q.panels is None else None
@@ -153,7 +170,7 @@ def _check_quantized(q, scales, expect):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantize_rows(dtype):
+def test_quantize_rows(dtype, native):
     x = torch.randn(9, 576).to(dtype)
     x[4] = 0
     q, scales = native.quantize_rows(x)
@@ -165,7 +182,7 @@ def test_quantize_rows(dtype):
 
 
 @needs_kernels
-def test_add_rmsnorm_q8():
+def test_add_rmsnorm_q8(native):
     x = torch.randn(10, 576)
     acc = torch.randint(-(2**20), 2**20, (10, 576), dtype=torch.int32)
     rows, cols = torch.rand(10) * 1e-6, torch.rand(576)
@@ -180,7 +197,7 @@ def test_add_rmsnorm_q8():
 
 @needs_kernels
 @pytest.mark.parametrize("block", [1, 16, 64, 512])
-def test_silu_mul_q8_rotates_by_hadamard_blocks(block):
+def test_silu_mul_q8_rotates_by_hadamard_blocks(block, native):
     rows, width = 11, 1536
     acc = torch.randint(-(2**16), 2**16, (rows, 2 * width), dtype=torch.int32)
     row_scales, col_scales = torch.rand(rows) * 1e-3, torch.rand(2 * width)
@@ -192,8 +209,47 @@ def test_silu_mul_q8_rotates_by_hadamard_blocks(block):
 
 
 @needs_kernels
+@pytest.mark.parametrize("block", [1, 16, 512])
+def test_gelu_tanh_mul_q8_is_geglu_rotated_by_hadamard_blocks(block, native):
+    rows, width = 11, 1536
+    acc = torch.randint(-(2**16), 2**16, (rows, 2 * width), dtype=torch.int32)
+    row_scales, col_scales = torch.rand(rows) * 1e-4, torch.rand(2 * width)
+    values = acc.float() * row_scales[:, None] * col_scales
+    gate, up = values[:, :width], values[:, width:]
+    geglu = F.gelu(gate, approximate="tanh") * up
+    expect = geglu.view(rows, -1, block) @ quant.hadamard(block).float()
+    q, scales = native.silu_mul_q8(acc, row_scales, col_scales, block, activation="gelu_tanh")
+    _check_quantized(q, scales, expect.reshape(rows, width))
+    silu, _ = native.silu_mul_q8(acc, row_scales, col_scales, block)
+    assert not torch.equal(silu, q)  # another activation, not silu's
+
+
+@needs_kernels
+@pytest.mark.parametrize("structured", [False, True])
+def test_add_post_norm_q8_adds_the_rotated_normed_product(structured, native):
+    """x += (rmsnorm(y) * w) R: Gemma's post-norm on an int8 product, into the rotated
+    residual basis (R: signs then Hadamard blocks; the identity without them)."""
+    rows, hidden = 9, 576
+    acc = torch.randint(-(2**20), 2**20, (rows, hidden), dtype=torch.int32)
+    row_scales, col_scales = torch.rand(rows) * 1e-6, torch.rand(hidden)
+    weight = 1 + 0.3 * torch.randn(hidden)
+    x = torch.randn(rows, hidden)
+    y = acc.float() * row_scales[:, None] * col_scales
+    normed = F.rms_norm(y, (hidden,), weight, 1e-6)
+    if structured:
+        rotation = quant.structured_rotation(hidden)
+        signs, block = rotation.signs, quant.down_block(hidden)
+        expect = x + normed @ rotation.matrix()
+    else:
+        signs, block = None, 1
+        expect = x + normed
+    native.add_post_norm_q8(x, acc, row_scales, col_scales, weight, 1e-6, signs, block)
+    assert torch.allclose(x, expect, atol=2e-5)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dequantize(dtype):
+def test_dequantize(dtype, native):
     acc = torch.randint(-(2**20), 2**20, (6, 960), dtype=torch.int32)
     rows, cols, bias = torch.rand(6), torch.rand(960) * 1e-4, torch.randn(960)
     for b in (None, bias):
@@ -204,7 +260,7 @@ def test_dequantize(dtype):
 
 
 @needs_kernels
-def test_rotate_rows_is_a_product_that_ignores_batch_mates():
+def test_rotate_rows_is_a_product_that_ignores_batch_mates(native):
     x, m = torch.randn(37, 576), torch.randn(576, 576) / 24
     got = native.rotate_rows(x, m)
     assert torch.allclose(got, x @ m, atol=1e-4)
@@ -217,11 +273,11 @@ def test_rotate_rows_is_a_product_that_ignores_batch_mates():
     ("rows", "n", "k"),
     [(1, 960, 576), (5, 100, 64), (12, 576, 1536), (13, 576, 576), (64, 3072, 576), (7, 64, 4)],
 )
-def test_int8_gemm_is_exact(rows, n, k):
+def test_int8_gemm_is_exact(rows, n, k, native):
     g = torch.Generator().manual_seed(rows * n + k)
     w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     a = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8)
-    panels, correction = native.pack_int8_weight(w)
+    panels, correction = quant.pack_int8_weight(w)
     got = native.int8_gemm(a, panels, correction, n)
     assert torch.equal(got.long(), a.long() @ w.long().t())
     # a row's result does not depend on the rows beside it
@@ -229,7 +285,7 @@ def test_int8_gemm_is_exact(rows, n, k):
 
 
 @needs_kernels
-def test_int8_gemm_is_exact_at_the_extremes():
+def test_int8_gemm_is_exact_at_the_extremes(native):
     """The largest products either kernel can meet: rows of +-127 against weights of -128 and
     127 (the AVX2 product's 16-bit pair sums are closest to saturating there)."""
     k, n = 256, 72
@@ -238,21 +294,21 @@ def test_int8_gemm_is_exact_at_the_extremes():
     w[0], w[1] = -128, 127
     a = torch.where(torch.rand(3, k, generator=g) < 0.5, -127, 127).to(torch.int8)
     a[0] = -127
-    panels, correction = native.pack_int8_weight(w)
+    panels, correction = quant.pack_int8_weight(w)
     assert torch.equal(native.int8_gemm(a, panels, correction, n).long(), a.long() @ w.long().t())
 
 
 @needs_kernels
-def test_int8_gemm_refuses_rows_holding_minus_128():
-    panels, correction = native.pack_int8_weight(torch.ones(64, 8, dtype=torch.int8))
+def test_int8_gemm_refuses_rows_holding_minus_128(native):
+    panels, correction = quant.pack_int8_weight(torch.ones(64, 8, dtype=torch.int8))
     rows = torch.zeros(2, 8, dtype=torch.int8)
     rows[1, 3] = -128
-    with pytest.raises(native.KernelInputError, match="-127..127"):
+    with pytest.raises(KernelInputError, match="-127..127"):
         native.int8_gemm(rows, panels, correction, 64)
 
 
 @needs_kernels
-def test_topk_rows():
+def test_topk_rows(native):
     x = torch.randn(5, 1000)
     x[1, 500:510] = 10.0  # ties: the lower columns first
     x[2, 7] = float("nan")  # never selected
@@ -307,7 +363,7 @@ def test_int8_model_is_smaller_and_says_so(loaded_bf16, loaded_int8):
 
 @needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_int8_tiny_checkpoints_follow_float32(tmp_path, arch):
+def test_int8_tiny_checkpoints_follow_float32(tmp_path, arch, kernels):
     """Other shapes (hidden 128, one KV head, q/k/v biases for qwen2, q/k norms for qwen3, a
     112-wide MLP whose down_proj input rotates in blocks of 16): int8 logits stay close to
     float32's."""
@@ -325,6 +381,7 @@ def test_int8_tiny_checkpoints_follow_float32(tmp_path, arch):
             dtype=torch.float32,
             device=CPU,
             quantization=quantization,
+            kernels=kernels,
         )
         logits[quantization] = _all_logits(model, ids)
     exact, int8 = logits["none"], logits["int8"]
@@ -334,7 +391,7 @@ def test_int8_tiny_checkpoints_follow_float32(tmp_path, arch):
     assert float(cosine.min()) > 0.99
 
 
-def test_int8_refuses_models_without_the_fused_path(tmp_path):
+def test_int8_refuses_models_without_the_fused_path(tmp_path, kernels):
     config = tiny_config("qwen3")  # head_dim 32: no C kernels for it
     save_tiny(tmp_path, config)
     checkpoint = SafetensorsCheckpoint(tmp_path)
@@ -345,26 +402,30 @@ def test_int8_refuses_models_without_the_fused_path(tmp_path):
             dtype=torch.float32,
             device=CPU,
             quantization="int8",
+            kernels=kernels,
         )
 
 
 @needs_kernels
-def test_auto_picks_int8_for_the_quantized_default_model(loaded_default):
+def test_auto_picks_int8_for_the_quantized_default_model(loaded_default, native):
     """No flags: the default Q4_1 file runs int8 linear layers here, and says why."""
     assert loaded_default.model.quantization == "int8"
     assert loaded_default.quantization_reason.startswith("auto: the checkpoint is quantized")
     assert "Q4_1" in loaded_default.quantization_reason
-    assert loaded_default.quantization_reason.endswith(f"int8 products by {native.int8_gemm_isa()}")
+    assert loaded_default.quantization_reason.endswith(f"int8 products by {native.int8_gemm_isa}")
 
 
-def test_auto_keeps_the_float_path_where_the_int8_product_is_not_built(loaded_default, monkeypatch):
+def test_auto_keeps_the_float_path_where_the_int8_product_is_not_built(loaded_default, kernels):
     """Without kvserve's int8 kernel only torch._int_mm is left, slower than float on such
     CPUs (docs/serving.md): auto keeps the float path and says why."""
+    import copy
+
     from kvserve.model.loader import choose_quantization
 
-    monkeypatch.setattr(native, "int8_gemm_isa", lambda: None)
+    without = copy.copy(kernels)
+    without.int8_gemm_isa = None  # as a CPU with neither AVX512-VNNI nor AVX2 reports
     choice, reason = choose_quantization(
-        "auto", ["F32", "Q4_1"], loaded_default.config, CPU, torch.float32
+        "auto", ["F32", "Q4_1"], loaded_default.config, CPU, torch.float32, kernels=without
     )
     assert choice == "none"
     assert "int8 product kernel does not run on this CPU" in reason and "Q4_1" in reason
@@ -382,7 +443,7 @@ def test_auto_keeps_a_float_checkpoint_float(tmp_path):
     assert reason.startswith("auto: the checkpoint is float (")
 
 
-def test_auto_reasons_where_the_cpu_kernels_cannot_run():
+def test_auto_reasons_where_the_cpu_kernels_cannot_run(kernels):
     from kvserve.model.loader import choose_quantization
     from kvserve.model.safetensors import config_from_json
 
@@ -391,7 +452,9 @@ def test_auto_reasons_where_the_cpu_kernels_cannot_run():
          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
          "head_dim": 32, "vocab_size": 100, "max_position_embeddings": 64}
     )  # fmt: skip
-    choice, reason = choose_quantization("auto", ["F32", "Q4_0"], config, CPU, torch.float32)
+    choice, reason = choose_quantization(
+        "auto", ["F32", "Q4_0"], config, CPU, torch.float32, kernels=kernels
+    )
     assert choice == "none" and "head_dim 32" in reason  # the kernels take 64 and 128
     assert choose_quantization("none", ["Q4_0"], config, CPU, torch.float32) == (
         "none",
@@ -432,26 +495,21 @@ def test_cli_flag_reaches_the_device_config():
 
 @needs_kernels
 @pytest.mark.parametrize("cache_dtype", [None, torch.int8])
-def test_layers_in_one_c_call_match_the_python_loop(loaded_int8, cache_dtype):
+def test_layers_in_one_c_call_match_the_python_loop(loaded_int8, cache_dtype, native):
     """The C driver runs the same kernels in the same order as the Python loop: identical
     logits, for a prefill and a decode row, on either cache."""
     model = loaded_int8.model
     ids = loaded_int8.tokenizer.encode(TEXT)[:70]
-    if cache_dtype is not None and not native.kv_int8_available():
+    if cache_dtype is not None and not native.kv_int8:
         pytest.skip("needs the int8 KV cache kernels")
     results = []
-    table = model.int8.native_layers
-    assert table is not None
-    try:
-        for native_layers in (table, None):
-            model.int8.native_layers = native_layers
-            cache = KVCache(model.config, 4, 32, cache_dtype or model.dtype, CPU)
-            meta = build_metadata([Chunk(0, 69, [2, 0, 3], True)], 32, CPU, native=True)
-            prefill = model.forward(torch.tensor(ids[:69]), meta, cache)
-            meta = build_metadata([Chunk(69, 1, [2, 0, 3], True)], 32, CPU, native=True)
-            decode = model.forward(torch.tensor(ids[69:70]), meta, cache)
-            results.append((prefill, decode, cache.kv.clone()))
-    finally:
-        model.int8.native_layers = table
+    assert model.driver is not None
+    for twin in (model, model.with_driver(False)):
+        cache = KVCache(model.config, 4, 32, cache_dtype or model.dtype, CPU)
+        meta = twin.attention.build_metadata([Chunk(0, 69, [2, 0, 3], True)], 32)
+        prefill = twin.forward(torch.tensor(ids[:69]), meta, cache)
+        meta = twin.attention.build_metadata([Chunk(69, 1, [2, 0, 3], True)], 32)
+        decode = twin.forward(torch.tensor(ids[69:70]), meta, cache)
+        results.append((prefill, decode, cache.kv.clone()))
     (p1, d1, kv1), (p2, d2, kv2) = results
     assert torch.equal(p1, p2) and torch.equal(d1, d2) and torch.equal(kv1, kv2)

@@ -9,21 +9,25 @@ import torch.nn.functional as F
 
 from kvserve.bench.big_model import TINY, generate
 from kvserve.config import DeviceConfig
-from kvserve.model import native_q4, quant4
-from kvserve.model.attention import build_metadata
 from kvserve.model.gguf import GGUFCheckpoint
+from kvserve.model.kernels import KernelInputError, load_kernels
 from kvserve.model.kv_cache import KVCache
+from kvserve.model.linear import q4 as quant4
+from kvserve.model.linear.q4 import Blocks
 from kvserve.model.loader import choose_quantization, load_model
-from kvserve.model.native import KernelInputError
-from kvserve.model.quant4 import Blocks
 from tests.model.helpers import Chunk, greedy_continuation
 from tests.model.test_quant import TEXT, follows_float32
 
 CPU = torch.device("cpu")
 
 needs_kernels = pytest.mark.skipif(
-    not native_q4.q4_available(), reason="needs the C kernels and AVX512-VNNI"
+    not load_kernels().q4, reason="needs the C kernels and AVX512-VNNI"
 )
+
+
+@pytest.fixture(scope="module")
+def native(kernels):
+    return kernels
 
 
 def random_blocks(n: int, k: int, qtype: str, seed: int = 0) -> Blocks:
@@ -60,10 +64,10 @@ def test_mixed_parts_fuse_as_q4_1_exactly():
 
 
 @needs_kernels
-def test_block_quantization_of_activations():
+def test_block_quantization_of_activations(native):
     x = torch.randn(5, 96) * torch.linspace(0.1, 30, 96)
     x[2, 32:64] = 0  # a block of zeros: scale 0, values 0
-    q, scales, sums = native_q4.quantize_blocks(x)
+    q, scales, sums = native.quantize_blocks(x)
     assert q.shape == (2, 5, 96) and scales.shape == sums.shape == (5, 3)
     blocks = x.view(5, 3, 32)
     assert torch.allclose(scales, blocks.abs().amax(-1) / 127 / 16)
@@ -82,14 +86,14 @@ def test_block_quantization_of_activations():
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 576, 576), (7, 100, 64), (13, 3072, 576),
                                               (64, 576, 1536), (3, 31, 32)])  # fmt: skip
-def test_product_matches_the_dequantized_reference(qtype, rows, n, k):
+def test_product_matches_the_dequantized_reference(qtype, rows, n, k, native):
     """The kernel's product equals the float64 product of the dequantized weight and the
     dequantized activations (to float32 rounding), for any row count and column count."""
     blocks = random_blocks(n, k, qtype, seed=rows)
-    weight = quant4.Q4Weight.from_blocks(blocks)
+    weight = quant4.Q4Linear.from_blocks(blocks, kernels=native)
     x = torch.randn(rows, k)
-    q, scales, sums = native_q4.quantize_blocks(x)
-    out = weight.matmul(q, scales, sums)
+    q, scales, sums = native.quantize_blocks(x)
+    out = weight.apply((q, scales, sums))
     whole = 16 * q[0].double() + q[1].double()
     activations = (whole.view(rows, -1, 32) * scales[..., None].double()).view(rows, k)
     reference = activations.double() @ blocks.dequantize().double().T
@@ -98,28 +102,28 @@ def test_product_matches_the_dequantized_reference(qtype, rows, n, k):
 
 
 @needs_kernels
-def test_a_row_does_not_depend_on_its_batch_mates():
-    weight = quant4.Q4Weight.from_blocks(random_blocks(200, 256, "Q4_1"))
+def test_a_row_does_not_depend_on_its_batch_mates(native):
+    weight = quant4.Q4Linear.from_blocks(random_blocks(200, 256, "Q4_1"), kernels=native)
     x = torch.randn(33, 256)
-    together = weight.matmul(*native_q4.quantize_blocks(x))
+    together = weight.apply(native.quantize_blocks(x))
     for row in (0, 5, 32):
-        alone = weight.matmul(*native_q4.quantize_blocks(x[row : row + 1]))
+        alone = weight.apply(native.quantize_blocks(x[row : row + 1]))
         assert torch.equal(alone[0], together[row])
 
 
 @needs_kernels
-def test_the_kernels_refuse_what_they_cannot_take():
-    weight = quant4.Q4Weight.from_blocks(random_blocks(64, 64, "Q4_0"))
-    q, scales, sums = native_q4.quantize_blocks(torch.randn(2, 64))
+def test_the_kernels_refuse_what_they_cannot_take(native):
+    weight = quant4.Q4Linear.from_blocks(random_blocks(64, 64, "Q4_0"), kernels=native)
+    q, scales, sums = native.quantize_blocks(torch.randn(2, 64))
     with pytest.raises(KernelInputError, match="whole blocks"):
-        native_q4.quantize_blocks(torch.randn(2, 40))
+        native.quantize_blocks(torch.randn(2, 40))
     with pytest.raises(KernelInputError, match="packed weight"):
-        native_q4.q4_gemm(q, scales, sums, weight.packed, 64, asym=True)  # Q4_0 is not Q4_1
+        native.q4_gemm(q, scales, sums, weight.packed, 64, asym=True)  # Q4_0 is not Q4_1
     with pytest.raises(KernelInputError, match="packed weight"):
-        native_q4.q4_gemm(q, scales, sums, weight.packed, 100, asym=False)
+        native.q4_gemm(q, scales, sums, weight.packed, 100, asym=False)
     with pytest.raises(KernelInputError, match="scales"):
-        native_q4.q4_gemm(q, scales[:1], sums, weight.packed, 64, asym=False)
-    empty = native_q4.q4_gemm(q[:, :0], scales[:0], sums[:0], weight.packed, 64, asym=False)
+        native.q4_gemm(q, scales[:1], sums, weight.packed, 64, asym=False)
+    empty = native.q4_gemm(q[:, :0], scales[:0], sums[:0], weight.packed, 64, asym=False)
     assert empty.shape == (0, 64)
 
 
@@ -132,7 +136,7 @@ def tiny_files(tmp_path_factory):
 def _prompt_logits(model, ids: list[int]) -> torch.Tensor:
     cache = KVCache(model.config, -(-len(ids) // 32), 32, model.dtype, CPU)
     blocks = list(range(-(-len(ids) // 32)))
-    meta = build_metadata([Chunk(0, len(ids), blocks, True)], 32, CPU)
+    meta = model.attention.build_metadata([Chunk(0, len(ids), blocks, True)], 32)
     meta.logits_indices = torch.arange(len(ids))
     return model.forward(torch.tensor(ids), meta, cache)
 
@@ -163,7 +167,7 @@ def test_q4_0_and_q8_0_files_of_one_model_load_and_answer(tiny_files, tmp_path):
     # 4-bit blocks in memory: the layers hold about half the bytes of int8's
     layers = sum(
         w.num_bytes
-        for layer in q4.model.q4.layers
+        for layer in q4.model.layers
         for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
     )
     checkpoint = GGUFCheckpoint(tiny_files["Q4_0"])
@@ -200,7 +204,7 @@ def test_the_default_model_on_4_bit_blocks_says_so_and_is_smaller(loaded_q4, loa
     assert loaded_q4.quantization_reason == "asked for"
     assert "+ q4" in loaded_q4.summary()
     # the layers at 5 bits a weight (Q4_1) against 8; both keep an int8 head
-    assert loaded_q4.model.q4.num_bytes < 0.75 * loaded_int8.model.int8.num_bytes
+    assert loaded_q4.model.weight_bytes_per_step < 0.75 * loaded_int8.model.weight_bytes_per_step
 
 
 def test_q4_asked_for_where_it_cannot_run_is_refused_with_the_reason(loaded_default):
@@ -215,12 +219,14 @@ def test_q4_asked_for_where_it_cannot_run_is_refused_with_the_reason(loaded_defa
     )
 
 
-def test_only_files_whose_layers_are_4_bit_blocks_qualify(tiny_files):
+def test_only_files_whose_layers_are_4_bit_blocks_qualify(tiny_files, kernels):
     q4_0 = GGUFCheckpoint(tiny_files["Q4_0"])
     q8_0 = GGUFCheckpoint(tiny_files["Q8_0"])
-    if native_q4.q4_available():
-        assert quant4.unsupported(q4_0, q4_0.config) is None
-    assert "not all Q4_0/Q4_1" in quant4.unsupported(q8_0, q8_0.config)
+    if kernels.q4:
+        assert quant4.unsupported(q4_0, q4_0.config, kernels) is None
+    else:
+        assert "AVX512-VNNI" in quant4.unsupported(q4_0, q4_0.config, kernels)
+    assert "not all Q4_0/Q4_1" in quant4.unsupported(q8_0, q8_0.config, kernels)
 
 
 @needs_kernels
@@ -233,12 +239,12 @@ def test_a_decode_row_does_not_depend_on_its_batch_mates(loaded_q4, cache_dtype)
     other = loaded_q4.tokenizer.encode(TEXT)[70:110]
     cache = KVCache(model.config, 6, 32, cache_dtype or model.dtype, CPU)
     prefills = [Chunk(0, 69, [2, 0, 1], False), Chunk(0, 39, [3, 4], False)]
-    meta = build_metadata(prefills, 32, CPU, native=True)
+    meta = model.attention.build_metadata(prefills, 32)
     model.forward(torch.tensor(ids[:69] + other[:39]), meta, cache)
-    meta = build_metadata([Chunk(69, 1, [2, 0, 1], True)], 32, CPU, native=True)
+    meta = model.attention.build_metadata([Chunk(69, 1, [2, 0, 1], True)], 32)
     alone = model.forward(torch.tensor(ids[69:70]), meta, cache)
     rows = [Chunk(39, 1, [3, 4], True), Chunk(69, 1, [2, 0, 1], True)]
-    meta = build_metadata(rows, 32, CPU, native=True)
+    meta = model.attention.build_metadata(rows, 32)
     together = model.forward(torch.tensor([other[39], ids[69]]), meta, cache)
     assert torch.allclose(alone[0], together[1], rtol=0, atol=1e-4)
     assert int(alone[0].argmax()) == int(together[1].argmax())
@@ -279,3 +285,26 @@ def test_auto_keeps_the_cache_in_the_model_dtype_beside_4_bit_weights(loaded_q4)
     dtype, reason = choose_cache_dtype("auto", loaded_q4.model)
     assert dtype == loaded_q4.model.dtype and "beside 4-bit weights" in reason
     assert choose_cache_dtype("int8", loaded_q4.model) == (torch.int8, "asked for")
+
+
+@needs_kernels
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8])
+def test_layers_in_one_c_call_match_the_python_loop(loaded_q4, cache_dtype):
+    """The 4-bit driver (csrc/forward_q4.c) runs the layer loop's kernels in its order: the
+    same logits and cache, for a prefill and a decode row, on either cache."""
+    model = loaded_q4.model
+    assert model.driver is not None
+    ids = loaded_q4.tokenizer.encode(TEXT)[:70]
+    results = []
+    for twin in (model, model.with_driver(False)):
+        cache = KVCache(model.config, 4, 32, cache_dtype or model.dtype, CPU)
+        meta = twin.attention.build_metadata([Chunk(0, 69, [2, 0, 3], True)], 32)
+        prefill = twin.forward(torch.tensor(ids[:69]), meta, cache)
+        meta = twin.attention.build_metadata([Chunk(69, 1, [2, 0, 3], True)], 32)
+        decode = twin.forward(torch.tensor(ids[69:70]), meta, cache)
+        results.append((prefill, decode, cache.kv.float()))
+    (p1, d1, kv1), (p2, d2, kv2) = results
+    # the same kernels; the q/k norm's sum may vectorize otherwise in its own kernel
+    for a, b in ((p1, p2), (d1, d2), (kv1, kv2)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
+    assert int(d1.argmax()) == int(d2.argmax())

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from kvserve.model.attention import build_metadata
 from kvserve.model.config import UnsupportedModelError
+from kvserve.model.kernels import load_kernels
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.llama import LlamaModel
 from kvserve.model.safetensors import SafetensorsCheckpoint, config_from_json
@@ -66,10 +66,10 @@ def save_tiny(tmp_path, config, *, max_shard_size=None):
 def our_logits(path, ids: list[int]) -> torch.Tensor:
     checkpoint = SafetensorsCheckpoint(path)
     model = LlamaModel.from_tensors(
-        checkpoint.config, checkpoint.get, dtype=torch.float32, device=CPU
+        checkpoint.config, checkpoint.get, dtype=torch.float32, device=CPU, kernels=load_kernels()
     )
     cache = KVCache(model.config, 8, 32, torch.float32, CPU)
-    meta = build_metadata([Chunk(0, len(ids), [3, 0, 5], True)], 32, CPU)
+    meta = model.attention.build_metadata([Chunk(0, len(ids), [3, 0, 5], True)], 32)
     meta.logits_indices = torch.arange(len(ids))
     return model.forward(torch.tensor(ids), meta, cache)
 
@@ -141,7 +141,7 @@ def test_hf_directory_loads_with_its_tokenizer(tmp_path, hf_tokenizer):
         return_dict=False,
     )
     cache = KVCache(loaded.config, 4, 32, torch.float32, CPU)
-    meta = build_metadata([Chunk(0, len(ids), [1, 2], True)], 32, CPU)
+    meta = loaded.model.attention.build_metadata([Chunk(0, len(ids), [1, 2], True)], 32)
     ours = loaded.model.forward(torch.tensor(ids), meta, cache)[0]
     with torch.no_grad():
         theirs = reference(torch.tensor([ids])).logits[0, -1]

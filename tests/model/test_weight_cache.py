@@ -17,14 +17,14 @@ import torch
 from kvserve.bench.big_model import TINY, generate
 from kvserve.config import DeviceConfig
 from kvserve.model import llama as llama_module
-from kvserve.model import native, quant
-from kvserve.model.attention import build_metadata
+from kvserve.model.kernels import load_kernels
 from kvserve.model.kv_cache import KVCache
+from kvserve.model.linear import int8 as quant
 from kvserve.model.loader import cpu_has_bf16, load_model
 from tests.model.helpers import Chunk, greedy_continuation
 
 pytestmark = pytest.mark.skipif(
-    not native.int8_gemm_available(),
+    not load_kernels().int8_gemm_isa,
     reason="int8 weights need the CPU kernels (AVX512-VNNI or AVX2)",
 )
 
@@ -39,15 +39,15 @@ def tiny_files(tmp_path_factory):
 
 @pytest.fixture
 def preparations(monkeypatch):
-    """How many times the int8 preparation ran."""
+    """How many times the int8 preparation ran (it rotates the residual stream once)."""
     calls = []
-    original = llama_module.quantize_model
+    original = llama_module.residual_rotation
 
     def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(llama_module, "quantize_model", counted)
+    monkeypatch.setattr(llama_module, "residual_rotation", counted)
     return calls
 
 
@@ -56,7 +56,7 @@ def prompt_logits(loaded) -> torch.Tensor:
     model = loaded.model
     ids = loaded.tokenizer.encode(PROMPT)
     cache = KVCache(model.config, 1, 32, model.dtype, model.device)
-    meta = build_metadata([Chunk(0, len(ids), [0], True)], 32, model.device)
+    meta = model.attention.build_metadata([Chunk(0, len(ids), [0], True)], 32)
     meta.logits_indices = torch.arange(len(ids))
     return model.forward(torch.tensor(ids), meta, cache)
 
@@ -208,7 +208,7 @@ def test_cli_flags_reach_the_device_config(tmp_path):
     ],
     ids=["qwen2-bias-untied", "qwen3-qk-norm"],
 )
-def test_biases_qk_norms_and_an_untied_head_round_trip(tmp_path, arch, overrides):
+def test_biases_qk_norms_and_an_untied_head_round_trip(tmp_path, arch, overrides, kernels):
     """What llama-shaped tiny files lack: q|k|v biases, q/k norms, a separate lm_head."""
     from kvserve.model.llama import LlamaModel
     from kvserve.model.safetensors import SafetensorsCheckpoint
@@ -219,20 +219,25 @@ def test_biases_qk_norms_and_an_untied_head_round_trip(tmp_path, arch, overrides
     checkpoint = SafetensorsCheckpoint(tmp_path / "model")
     config = checkpoint.config
     model = LlamaModel.from_tensors(
-        config, checkpoint.get, dtype=torch.float32, device=torch.device("cpu"), quantization="int8"
+        config,
+        checkpoint.get,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        quantization="int8",
+        kernels=kernels,
     )
     tensors, numbers = model.prepared_tensors()
     assert "lm_head" in tensors
     assert any(name.endswith(".bias") for name in tensors) == config.attention_bias
-    assert any(name.startswith("qk_norm.") for name in tensors) == config.qk_norm
+    assert any(name.endswith(".qk_norm") for name in tensors) == config.qk_norm
     cache = WeightCache(tmp_path / "cache")
     assert cache.store("0" * 32, tensors, numbers) is not None
-    restored = LlamaModel.from_prepared(config, *cache.load("0" * 32))
+    restored = LlamaModel.from_prepared(config, *cache.load("0" * 32), kernels=kernels)
     ids = list(range(5, 40))
 
     def logits(m):
         kv = KVCache(config, 2, 32, torch.float32, torch.device("cpu"))
-        meta = build_metadata([Chunk(0, len(ids), [0, 1], True)], 32, torch.device("cpu"))
+        meta = m.attention.build_metadata([Chunk(0, len(ids), [0, 1], True)], 32)
         meta.logits_indices = torch.arange(len(ids))
         return m.forward(torch.tensor(ids), meta, kv)
 

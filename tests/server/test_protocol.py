@@ -8,17 +8,16 @@ import pytest
 
 from kvserve.engine.stream import TokenLogprob, Usage
 from kvserve.request import InvalidRequest, QueueFull, QueueTimeout
-from kvserve.server.protocol import (
+from kvserve.server.dialects.openai import (
     DEFAULT_COMPLETION_MAX_TOKENS,
-    APIError,
     ChatCompletionRequest,
-    ChatRenderer,
-    CompletionRenderer,
     CompletionRequest,
-    parse_request,
-    refused_fields,
     sampling_params,
 )
+from kvserve.server.dialects.openai_chat import ChatStream
+from kvserve.server.dialects.openai_completions import CompletionBody
+from kvserve.server.protocol import APIError, parse_request, refused_fields
+from kvserve.server.render import Ending, Update
 
 VOCAB = 1000
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -213,21 +212,25 @@ def test_engine_params_are_renamed_to_the_request_field():
     assert (error.status, error.param) == (400, "messages")
 
 
+def _data(frames: str) -> list[dict]:
+    """The JSON data of SSE frames."""
+    return [json.loads(frame.removeprefix("data: ")) for frame in frames.split("\n\n") if frame]
+
+
 def test_chat_renderer_stream_shapes():
-    renderer = ChatRenderer("chatcmpl-1", "m", 123, lambda i: b"ab", logprobs=False)
-    (first,) = renderer.start_chunks()
-    chunk = json.loads(first)
+    renderer = ChatStream("chatcmpl-1", "m", 123, lambda i: b"ab", logprobs=False)
+    (chunk,) = _data(renderer.head())
     assert chunk["object"] == "chat.completion.chunk"
     assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert renderer.delta_chunk("", (), None) is None  # held-back text: nothing to send
-    middle = json.loads(renderer.delta_chunk("Hé", (), None))
+    assert renderer.update(Update(())) == ""  # held-back text: nothing to send
+    (middle,) = _data(renderer.update(Update(("Hé",))))
     assert middle["choices"][0] == {
         "index": 0,
         "delta": {"content": "Hé"},
         "logprobs": None,
         "finish_reason": None,
     }
-    last = json.loads(renderer.delta_chunk("", (), "stop"))
+    (last,) = _data(renderer.update(Update((), finish_reason="stop")))
     assert last["choices"][0]["delta"] == {}
     assert last["choices"][0]["finish_reason"] == "stop"
     usage = json.loads(renderer.usage_chunk(Usage(3, 4, cached_tokens=2)))
@@ -245,16 +248,17 @@ def test_logprobs_shapes():
     table = {1: b"He", 2: b"llo", 3: b"\xe2\x82"}  # 3: part of a character
 
     entries = (TokenLogprob(1, -0.5, ((1, -0.5), (3, -1.0))), TokenLogprob(2, float("-inf")))
-    chat = ChatRenderer("c", "m", 0, table.__getitem__, logprobs=True)
-    content = json.loads(chat.delta_chunk("Hello", entries, None))["choices"][0]["logprobs"]
+    chat = ChatStream("c", "m", 0, table.__getitem__, logprobs=True)
+    (chunk,) = _data(chat.update(Update(("Hello",), logprobs=entries)))
+    content = chunk["choices"][0]["logprobs"]
     first, second = content["content"]
     assert first["token"] == "He" and first["bytes"] == [72, 101]
     assert first["top_logprobs"][1] == {"token": "\ufffd", "logprob": -1.0, "bytes": [226, 130]}
     assert second["logprob"] == -9999.0  # JSON has no -Infinity
 
-    completion = CompletionRenderer("c", "m", 0, table.__getitem__, logprobs=True)
-    completion.add("Hello", entries)
-    logprobs = completion.response("length", Usage(1, 2))["choices"][0]["logprobs"]
+    completion = CompletionBody("c", "m", 0, table.__getitem__, logprobs=True)
+    completion.update(Update(("Hello",), logprobs=entries))
+    logprobs = completion.body(Ending("length", Usage(1, 2)))["choices"][0]["logprobs"]
     assert logprobs["tokens"] == ["He", "llo"]
     assert logprobs["text_offset"] == [0, 2]
     assert logprobs["top_logprobs"][0] == {"He": -0.5, "\ufffd": -1.0}

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvserve.engine.stream import Usage
-from kvserve.server.dialects.openai_chat import ToolChatRenderer
+from kvserve.engine.stream import Delta, Usage
+from kvserve.server.dialects.openai_chat import chat_rendering
 from kvserve.server.protocol import APIError
 from kvserve.server.tools import (
     FALLBACK_TOOL_PROMPT,
@@ -177,7 +177,17 @@ def test_a_template_with_tools_gets_them_as_its_variable():
 
 
 def renderer(plan):
-    return ToolChatRenderer("chatcmpl-1", "m", 0, lambda t: b"", logprobs=False, plan=plan)
+    return chat_rendering("chatcmpl-1", "m", lambda t: b"", plan=plan)
+
+
+END = Usage(1, 2)
+
+
+def chunks_of(frames: str) -> list[str]:
+    """The chunks (JSON text) of streamed SSE frames, `[DONE]` left out."""
+    data = [frame.removeprefix("data: ") for frame in frames.split("\n\n") if frame]
+    assert data[-1] == "[DONE]"
+    return data[:-1]
 
 
 def stream_tool_calls(chunks):
@@ -198,18 +208,19 @@ def stream_tool_calls(chunks):
 
 def test_auto_stream_and_response():
     render = renderer(plan_tools([WEATHER, TIME], "auto"))
-    chunks = []
+    frames = render.head()
     for piece in [CANNED[:20], CANNED[20:50], CANNED[50:]]:
-        chunks += render.delta_chunks(piece, (), None)
-    chunks += render.delta_chunks("", (), "stop")
-    calls, finish = stream_tool_calls(chunks)
+        frames += render.frames(Delta(text=piece))
+    frames += render.tail(Delta(finish_reason="stop", usage=END))
+    calls, finish = stream_tool_calls(chunks_of(frames))
     assert finish == "tool_calls"
     assert [c["name"] for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
 
     whole = renderer(plan_tools([WEATHER, TIME], "auto"))
-    whole.add(CANNED, ())
-    body = whole.response("stop", Usage(1, 2))
+    final = Delta(text=CANNED, finish_reason="stop", usage=END)
+    whole.add(final)
+    body = whole.response(final)
     message = body["choices"][0]["message"]
     assert body["choices"][0]["finish_reason"] == "tool_calls"
     assert message["content"] == "Let me check."
@@ -220,8 +231,9 @@ def test_named_streams_arguments_as_they_come_and_finishes_with_stop():
     render = renderer(
         plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
     )
-    chunks = render.delta_chunks('{"city":', (), None) + render.delta_chunks('"Rome"}', (), "stop")
-    calls, finish = stream_tool_calls(chunks)
+    frames = render.frames(Delta(text='{"city":'))
+    frames += render.tail(Delta(text='"Rome"}', finish_reason="stop", usage=END))
+    calls, finish = stream_tool_calls(chunks_of(frames))
     assert finish == "stop"
     assert calls == [{"id": calls[0]["id"], "name": "get_weather", "arguments": '{"city":"Rome"}'}]
 
@@ -233,5 +245,6 @@ def test_required_answer_becomes_calls():
     ]
     assert parse_required('[{"name":"get_weather","param') is None
     render = renderer(plan_tools([WEATHER], "required"))
-    calls, finish = stream_tool_calls(render.delta_chunks(text, (), "stop"))
+    frames = render.tail(Delta(text=text, finish_reason="stop", usage=END))
+    calls, finish = stream_tool_calls(chunks_of(frames))
     assert finish == "tool_calls" and calls[0]["name"] == "get_weather"

@@ -8,6 +8,7 @@
  * padded vocabulary's unused rows), so a model larger than the tokenizer never draws them.
  */
 #include "common.h"
+#include "bitmask.h"
 
 void kvserve_apply_token_bitmask(float *logits, int64_t logit_row_stride, int64_t vocab,
                                  const int32_t *bitmask, int64_t words, const int64_t *rows,

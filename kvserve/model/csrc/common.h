@@ -1,7 +1,7 @@
 /*
  * Helpers shared by the CPU kernels: bf16 <-> float conversion and a vectorizable exp.
  * Everything is static inline and branch-free so the loops that call it vectorize
- * (with -fno-math-errno -fno-trapping-math, see kvserve/model/native.py).
+ * (with -fno-math-errno -fno-trapping-math, see kvserve/model/kernel_build.py).
  */
 #ifndef KVSERVE_COMMON_H
 #define KVSERVE_COMMON_H
@@ -44,6 +44,14 @@ static inline float exp_approx(float x) {
     float scale;
     __builtin_memcpy(&scale, &exponent, sizeof scale);
     return y * scale;
+}
+
+/* gelu with the tanh approximation (Gemma's GeGLU, torch's approximate="tanh"),
+ * 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), written as g sigmoid(2 sqrt(2 / pi) (...)):
+ * the same identity, one exp_approx, and it vectorizes as SiLU's g / (1 + exp(-g)) does. */
+static inline float gelu_tanh_approx(float g) {
+    const float a = 1.5957691216057308f * (g + 0.044715f * g * g * g);
+    return g / (1.f + exp_approx(-a));
 }
 
 /* In place, softmax of each of `rows` rows of `length` floats (row stride `length`). */

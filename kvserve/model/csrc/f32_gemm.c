@@ -12,11 +12,12 @@
  * of the call, so a decode row gives the same logits alone and in a batch.
  *
  * x: [rows][k], w: [n][k], out: [rows][n], all contiguous; bias: [n] or NULL; k % 8 == 0
- * (native.py checks all of it).
+ * (kvserve/model/kernels.py checks all of it).
  */
 #include <stdint.h>
 
 #include "common.h"
+#include "f32_gemm.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 

@@ -1,10 +1,11 @@
 /*
- * Every decoder layer of the int8 path (kvserve/model/quant.py) in one call: the same kernels
- * the Python loop in LlamaModel._forward_int8 calls one by one, without a dozen ctypes calls and
+ * Every decoder layer of the int8 path (kvserve/model/linear/int8.py) in one call: the same kernels
+ * model's layer loop (kvserve/model/llama.py) calls one by one, without a dozen ctypes calls and
  * tensor allocations per layer (at decode row counts those cost as much as the work).
  *
  * Per layer, with x the float32 residual (rotated) and (q8, s) int8 rows and their scales:
- *   acc = q8 @ qkv          qkv = dequantize(acc) (+ bias), in the model dtype
+ *   acc = q8 @ qkv          qkv = dequantize(acc) (+ bias), in the model dtype; then the
+ *                           per-head RMSNorm of q and k where the model has one (qwen3)
  *   rope_store(qkv)         rotate q, k; write k, v into the cache (int8 or the model dtype)
  *   attn = attention(q)     over each row's own positions
  *   q8, s = int8(attn);     acc = q8 @ o
@@ -15,44 +16,16 @@
 #include <stdint.h>
 
 #include "common.h"
-#include "kernels.h"
+#include "drivers.h"
+#include "int8_gemm.h"
+#include "quant_ops.h"
 
-void kvserve_add_rmsnorm_q8(float *x, const int32_t *acc, const float *row_scales,
-                            const float *col_scales, int8_t *q, float *scales, int64_t rows,
-                            int64_t hidden, float eps, int num_threads);
-void kvserve_int8_gemm(const int8_t *a, int64_t rows, int64_t k, const int8_t *packed,
-                       const int32_t *correction, int64_t n, int32_t *c, int num_threads);
-void kvserve_silu_mul_q8(const int32_t *acc, const float *row_scales, const float *col_scales,
-                         int8_t *q, float *scales, int64_t rows, int64_t width, int64_t block,
-                         int num_threads);
-
-#define DECLARE_TYPED(T, SUFFIX)                                                                   \
-    void kvserve_dequantize_##SUFFIX(const int32_t *acc, const float *row_scales,                \
-                                     const float *col_scales, const float *bias, T *out,          \
-                                     int64_t rows, int64_t cols, int num_threads);                \
-    void kvserve_quantize_rows_##SUFFIX(const T *x, int64_t rows, int64_t width,                 \
-                                        int64_t row_stride, int8_t *q, float *scales,             \
-                                        int num_threads);
-
-DECLARE_TYPED(float, f32)
-DECLARE_TYPED(uint16_t, bf16)
-
-typedef struct {
-    const int8_t *panels;      /* packed as in int8_gemm.c */
-    const int32_t *correction;
-    const float *scale;        /* [n] per output channel */
-    const float *bias;         /* [n] or NULL */
-    int64_t n, k;
-} kvserve_int8_weight;
-
-typedef struct {
-    kvserve_int8_weight qkv, o, gate_up, down;
-} kvserve_int8_layer;
-
-/* The typed middle of a layer: dequantize q|k|v, RoPE and cache write, attention, int8 of the
- * attention output. Returns the attention kernel's status (0, or -1 for shapes it refuses). */
+/* The typed middle of a layer: dequantize q|k|v, the q/k norms, RoPE and cache write,
+ * attention, int8 of the attention output. Returns the attention kernel's status (0, or -1 for
+ * shapes it refuses). */
 #define DEFINE_ATTENTION_PART(NAME, T, SUFFIX)                                                     \
-    static int NAME(const kvserve_int8_weight *w, const int32_t *acc, const float *s, T *qkv,    \
+    static int NAME(const kvserve_int8_weight *w, const float *qk_norm, float eps,               \
+                    const int32_t *acc, const float *s, T *qkv,                                   \
                     T *attn, void *kv, float *kv_scales, int64_t rows, int64_t heads,             \
                     int64_t kv_heads, int64_t hd, const int64_t *positions, const float *cos,     \
                     const float *sin, const int64_t *slots, const int64_t *tables,                \
@@ -61,6 +34,8 @@ typedef struct {
                     float *s_out, int nt) {                                                       \
         const int64_t width = w->n, q_size = heads * hd;                                          \
         kvserve_dequantize_##SUFFIX(acc, s, w->scale, w->bias, qkv, rows, width, nt);             \
+        if (qk_norm)                                                                              \
+            kvserve_qk_norm_##SUFFIX(qkv, rows, width, heads + kv_heads, hd, qk_norm, eps, nt);   \
         const int status = kvserve_store_and_attend_##SUFFIX(                                    \
             qkv, attn, kv, kv_scales, rows, heads, kv_heads, hd, positions, cos, sin, slots,      \
             tables, table_width, row_tables, lengths, num_blocks, block_size, scale, nt);         \
@@ -99,12 +74,12 @@ int kvserve_forward_int8(float *x, int64_t rows, const kvserve_int8_layer *layer
         kvserve_int8_gemm(q8, rows, layer->qkv.k, layer->qkv.panels, layer->qkv.correction,
                           layer->qkv.n, acc, nt);
         const int status =
-            bf16 ? attention_part_bf16(&layer->qkv, acc, s, (uint16_t *)qkv, (uint16_t *)attn,
+            bf16 ? attention_part_bf16(&layer->qkv, layer->qk_norm, eps, acc, s, (uint16_t *)qkv, (uint16_t *)attn,
                                        kv_layers[l], kv_scales, rows, heads, kv_heads, hd,
                                        positions, cos, sin, slots, tables, table_width,
                                        row_tables, lengths, num_blocks, block_size, scale, q8,
                                        next, nt)
-                 : attention_part_f32(&layer->qkv, acc, s, (float *)qkv, (float *)attn,
+                 : attention_part_f32(&layer->qkv, layer->qk_norm, eps, acc, s, (float *)qkv, (float *)attn,
                                       kv_layers[l], kv_scales, rows, heads, kv_heads, hd,
                                       positions, cos, sin, slots, tables, table_width,
                                       row_tables, lengths, num_blocks, block_size, scale, q8,

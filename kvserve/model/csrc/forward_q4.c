@@ -1,5 +1,5 @@
 /*
- * Every decoder layer of the 4-bit path (kvserve/model/quant4.py) in one call, as
+ * Every decoder layer of the 4-bit path (kvserve/model/linear/q4.py) in one call, as
  * forward_int8.c does for the int8 path. Per layer, with x the float32 residual and (q8, e, s)
  * the rows in blocks of 32 (kvserve/model/csrc/q4_gemm.c):
  *
@@ -13,37 +13,8 @@
 #include <stdint.h>
 
 #include "common.h"
-#include "kernels.h"
-
-void kvserve_q4_gemm(const int8_t *a, const float *scales, const float *sums, int64_t rows,
-                     int64_t k, const uint8_t *packed, int64_t n, int asym, float *c,
-                     int num_threads);
-void kvserve_add_rmsnorm_qb(float *x, const float *delta, const float *weight, int8_t *q,
-                            float *scales, float *sums, int64_t rows, int64_t hidden, float eps,
-                            int normalize, int num_threads);
-void kvserve_silu_mul_qb(const float *gate_up, int8_t *q, float *scales, float *sums,
-                         int64_t rows, int64_t width, int num_threads);
-
-#define DECLARE_TYPED(T, SUFFIX)                                                                   \
-    void kvserve_quantize_blocks_##SUFFIX(const T *x, int64_t rows, int64_t width,               \
-                                          int64_t row_stride, int8_t *q, float *scales,           \
-                                          float *sums, int num_threads);
-
-DECLARE_TYPED(float, f32)
-DECLARE_TYPED(uint16_t, bf16)
-
-typedef struct {
-    const uint8_t *packed; /* kvserve/model/csrc/q4_gemm.c's layout */
-    const float *bias;     /* [n] or NULL */
-    int64_t n, k;
-    int64_t asym;
-} kvserve_q4_weight;
-
-typedef struct {
-    kvserve_q4_weight qkv, o, gate_up, down;
-    const float *attn_norm, *mlp_norm; /* [hidden] */
-    const float *qk_norm;              /* [heads + kv_heads][head_dim], or NULL */
-} kvserve_q4_layer;
+#include "drivers.h"
+#include "q4.h"
 
 /* The q|k|v product (float32) with its bias and per-head q/k norms, stored in the model dtype,
  * then RoPE and the cache write, attention, and the per-block int8 of the attention output. */

@@ -14,6 +14,7 @@
  * on every call, which costs as much as the product itself for the few rows of decode.
  * Work is split over blocks of 64 columns; inside a block, rows go 6 at a time (24 accumulators).
  */
+#include "int8_gemm.h"
 #include <stdint.h>
 #include <string.h>
 

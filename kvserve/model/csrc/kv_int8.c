@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kv_int8.h"
 
 #define MAX_GROUP 16
 

@@ -4,7 +4,9 @@
  *
  *   add_rmsnorm   x += delta (optional); out = cast(x * rsqrt(mean(x^2) + eps) * weight)
  *   silu_mul      out = cast(silu(gate) * up) from the fused gate|up product
+ *   gelu_tanh_mul out = cast(gelu_tanh(gate) * up), the same for GeGLU (Gemma)
  *   rope_store    rotate q and k in place (half-rotation RoPE) and write k, v into the paged cache
+ *   qk_norm       the per-head RMSNorm of q and k (qwen3), in place, computed in float32
  *
  * The residual stream x is float32; `out`, `delta` and the q|k|v rows are the model dtype
  * (float32 or bfloat16, chosen by the `_f32` / `_bf16` entry points). Rows run in parallel with
@@ -13,6 +15,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "layer_ops.h"
 
 #define DEFINE_ADD_RMSNORM(NAME, T, LOAD, STORE)                                                   \
     void NAME(float *x, const T *delta, const float *weight, T *out, int64_t rows,                \
@@ -85,6 +88,20 @@ void kvserve_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows,
 DEFINE_SILU_MUL(kvserve_silu_mul_bf16, uint16_t, bf16_to_float, float_to_bf16)
 #endif
 
+#define DEFINE_GELU_TANH_MUL(NAME, T, LOAD, STORE)                                                 \
+    void NAME(const T *gate_up, T *out, int64_t rows, int64_t width, int num_threads) {           \
+        _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")                        \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            const T *gate = gate_up + r * 2 * width, *up = gate + width;                          \
+            T *orow = out + r * width;                                                            \
+            _Pragma("omp simd") for (int64_t i = 0; i < width; i++) orow[i] =                     \
+                STORE(gelu_tanh_approx(LOAD(gate[i])) * LOAD(up[i]));                             \
+        }                                                                                         \
+    }
+
+DEFINE_GELU_TANH_MUL(kvserve_gelu_tanh_mul_f32, float, float_identity, float_identity)
+DEFINE_GELU_TANH_MUL(kvserve_gelu_tanh_mul_bf16, uint16_t, bf16_to_float, float_to_bf16)
+
 /*
  * qkv: [rows][(heads + 2 kv_heads) * head_dim], q heads then k heads then v heads.
  * cos, sin: [max_positions][head_dim / 2] float32 (the half table; both halves share it).
@@ -114,3 +131,30 @@ DEFINE_SILU_MUL(kvserve_silu_mul_bf16, uint16_t, bf16_to_float, float_to_bf16)
 
 DEFINE_ROPE_STORE(kvserve_rope_store_f32, float, rotate_heads_f32)
 DEFINE_ROPE_STORE(kvserve_rope_store_bf16, uint16_t, rotate_heads_bf16)
+
+/* In place: each of the first `num_heads` heads of `head_dim` values of every row of qkv
+ * ([rows][width]) becomes head * (rsqrt(mean(head^2) + eps) * weight[head index]), computed in
+ * float32 and stored back in the model dtype (the arithmetic of forward_q4.c's q/k norms).
+ * weight: [num_heads][head_dim] float32. */
+#define DEFINE_QK_NORM(NAME, T, LOAD, STORE)                                                       \
+    void NAME(T *qkv, int64_t rows, int64_t width, int64_t num_heads, int64_t head_dim,           \
+              const float *weight, float eps, int num_threads) {                                  \
+        _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")                        \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            for (int64_t h = 0; h < num_heads; h++) {                                             \
+                T *head = qkv + r * width + h * head_dim;                                         \
+                const float *w = weight + h * head_dim;                                           \
+                float sum = 0.f;                                                                  \
+                _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < head_dim; i++) {   \
+                    const float v = LOAD(head[i]);                                                \
+                    sum += v * v;                                                                 \
+                }                                                                                 \
+                const float scale = 1.f / sqrtf(sum / (float)head_dim + eps);                     \
+                _Pragma("omp simd") for (int64_t i = 0; i < head_dim; i++) head[i] =              \
+                    STORE(LOAD(head[i]) * (scale * w[i]));                                        \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+DEFINE_QK_NORM(kvserve_qk_norm_f32, float, float_identity, float_identity)
+DEFINE_QK_NORM(kvserve_qk_norm_bf16, uint16_t, bf16_to_float, float_to_bf16)

@@ -3,7 +3,9 @@
  * block table (no gather copy). A row attends to positions 0 .. length-1 of its sequence: a
  * decode row is one sequence's newest position; the rows of a prefill chunk are several rows
  * sharing one table (`row_tables` maps a row to its table) with lengths start+1, start+2, ...
- * so causality is just each row's length.
+ * so causality is just each row's length. With a sliding window W (> 0) a row attends only to
+ * positions length-W .. length-1: blocks wholly before them are never read. With a soft cap C
+ * (> 0) each score s becomes C tanh(s / C) before the softmax (Gemma 2).
  *
  * Cache layout of one layer: [2][kv_heads][num_blocks][block_size][head_dim] (K then V), so the
  * positions of one head inside a block are contiguous. The `group` query heads that share a KV
@@ -18,6 +20,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "attention.h"
 
 #define MAX_GROUP 16
 #define TILE_ROWS 16
@@ -282,31 +285,54 @@ DEFINE_BLOCK_SCORES(block_scores_f32, float, load8_f32, in_register)
 DEFINE_BLOCK_VALUES(block_values_f32, float, load8_f32, in_register)
 DEFINE_BLOCK_SCORES(row_scores_f32, float, load8_f32, as_loaded)
 DEFINE_BLOCK_VALUES(row_values_f32, float, load8_f32, as_loaded)
-#if !HAVE_BF16_DOT
+/* bf16 in float arithmetic: the path where the CPU has no bf16 dot product, and the one a
+ * windowed or soft-capped layer takes where it has (the dot-product tiles know neither). */
 DEFINE_BLOCK_SCORES(block_scores_bf16, uint16_t, load8_bf16, in_register)
 DEFINE_BLOCK_VALUES(block_values_bf16, uint16_t, load8_bf16, in_register)
 DEFINE_BLOCK_SCORES(row_scores_bf16, uint16_t, load8_bf16, as_loaded)
 DEFINE_BLOCK_VALUES(row_values_bf16, uint16_t, load8_bf16, as_loaded)
-#endif
 
-/* Floats of working memory a tile of `rows` needs: scaled queries, sums, padded scores. */
-static int64_t float_tile_floats(int64_t rows, int64_t group, int64_t hd, int64_t longest) {
-    return 2 * rows * group * hd + rows * group * ((longest + 7) / 8 * 8);
+/* The first position a row of `length` attends to under a window (0: none). */
+static inline int64_t window_start(int64_t length, int64_t window) {
+    return window > 0 && length > window ? length - window : 0;
+}
+
+/* In place, s[j] = cap * tanh(s[j] / cap) for one row of n scores: tanh(u) as
+ * (e - 1) / (e + 1) with e = exp(2u) (exp_approx, clamped: |tanh| <= 1 at the ends), the same
+ * operations for every row whatever its tile. */
+static NOINLINE void row_softcap(float *s, int64_t n, float cap) {
+    const float twice_inverse = 2.f / cap;
+    _Pragma("omp simd") for (int64_t j = 0; j < n; j++) {
+        const float e = exp_approx(s[j] * twice_inverse);
+        s[j] = cap * ((e - 1.f) / (e + 1.f));
+    }
+}
+
+/* Floats of working memory a tile of `rows` needs: scaled queries, sums, padded scores (of at
+ * most `window` positions a row, where there is a window). */
+static int64_t float_tile_floats(int64_t rows, int64_t group, int64_t hd, int64_t longest,
+                                 int64_t window) {
+    const int64_t span = window > 0 && window < longest ? window : longest;
+    return 2 * rows * group * hd + rows * group * ((span + 7) / 8 * 8);
 }
 
 /* One tile (rows with lengths in increasing order, one table) against one KV head; a tile of
- * one row takes ROW_SCORES and ROW_VALUES, the same sums as SCORES and VALUES. */
+ * one row takes ROW_SCORES and ROW_VALUES, the same sums as SCORES and VALUES. Row r attends to
+ * positions first[r] .. lengths[r] - 1 (first[r] = 0 without a window); its scores are kept by
+ * position - first[r], so a row's arithmetic depends on its own span only. */
 #define DEFINE_FLOAT_TILE(NAME, T, LOAD, STORE, SCORES, VALUES, ROW_SCORES, ROW_VALUES)             \
     static void NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,            \
                      const T *k_head, const T *v_head, const int64_t *table,                      \
                      const int64_t *lengths, int64_t rows, int64_t group, int64_t hd,             \
-                     int64_t block_size, float scale, float *work) {                              \
+                     int64_t block_size, float scale, int64_t window, float softcap,              \
+                     float *work) {                                                               \
         const int64_t per_row = group * hd, longest = lengths[rows - 1];                          \
         float *qs = work, *acc = work + rows * per_row, *scores[TILE_ROWS];                       \
-        int64_t stride[TILE_ROWS];                                                                \
+        int64_t stride[TILE_ROWS], first[TILE_ROWS];                                              \
         float *next = acc + rows * per_row;                                                       \
         for (int64_t r = 0; r < rows; r++) {                                                      \
-            stride[r] = (lengths[r] + 7) / 8 * 8;                                                 \
+            first[r] = window_start(lengths[r], window);                                          \
+            stride[r] = (lengths[r] - first[r] + 7) / 8 * 8;                                      \
             scores[r] = next;                                                                     \
             next += group * stride[r];                                                            \
             for (int64_t i = 0; i < per_row; i++)                                                 \
@@ -316,24 +342,34 @@ static int64_t float_tile_floats(int64_t rows, int64_t group, int64_t hd, int64_
         __typeof__(&SCORES) const scores_of = rows > 1 ? SCORES : ROW_SCORES;                     \
         __typeof__(&VALUES) const values_of = rows > 1 ? VALUES : ROW_VALUES;                     \
         const int64_t num_used = (longest + block_size - 1) / block_size;                         \
-        for (int64_t b = 0; b < num_used; b++) {                                                  \
+        for (int64_t b = first[0] / block_size; b < num_used; b++) {                              \
             const T *keys = k_head + table[b] * block_size * hd;                                  \
             for (int64_t r = rows - 1; r >= 0; r--) {                                             \
-                const int64_t n = lengths[r] - b * block_size;                                    \
-                if (n <= 0) break;                                                                \
-                scores_of(qs + r * per_row, group, hd, keys, n < block_size ? n : block_size,     \
-                          scores[r] + b * block_size, stride[r]);                                 \
+                const int64_t end = lengths[r] < (b + 1) * block_size ? lengths[r]                \
+                                                                      : (b + 1) * block_size;     \
+                const int64_t begin = first[r] > b * block_size ? first[r] : b * block_size;      \
+                if (end <= b * block_size) break;                                                 \
+                if (begin >= end) continue;                                                       \
+                scores_of(qs + r * per_row, group, hd, keys + (begin - b * block_size) * hd,      \
+                          end - begin, scores[r] + (begin - first[r]), stride[r]);                \
             }                                                                                     \
         }                                                                                         \
         for (int64_t r = 0; r < rows; r++)                                                        \
-            for (int64_t g = 0; g < group; g++) row_softmax(scores[r] + g * stride[r], lengths[r]); \
-        for (int64_t b = 0; b < num_used; b++) {                                                  \
+            for (int64_t g = 0; g < group; g++) {                                                 \
+                if (softcap > 0.f)                                                                \
+                    row_softcap(scores[r] + g * stride[r], lengths[r] - first[r], softcap);       \
+                row_softmax(scores[r] + g * stride[r], lengths[r] - first[r]);                    \
+            }                                                                                     \
+        for (int64_t b = first[0] / block_size; b < num_used; b++) {                              \
             const T *values = v_head + table[b] * block_size * hd;                                \
             for (int64_t r = rows - 1; r >= 0; r--) {                                             \
-                const int64_t n = lengths[r] - b * block_size;                                    \
-                if (n <= 0) break;                                                                \
-                values_of(scores[r] + b * block_size, group, stride[r], hd, values,               \
-                          n < block_size ? n : block_size, acc + r * per_row);                    \
+                const int64_t end = lengths[r] < (b + 1) * block_size ? lengths[r]                \
+                                                                      : (b + 1) * block_size;     \
+                const int64_t begin = first[r] > b * block_size ? first[r] : b * block_size;      \
+                if (end <= b * block_size) break;                                                 \
+                if (begin >= end) continue;                                                       \
+                values_of(scores[r] + (begin - first[r]), group, stride[r], hd,                   \
+                          values + (begin - b * block_size) * hd, end - begin, acc + r * per_row); \
             }                                                                                     \
         }                                                                                         \
         for (int64_t r = 0; r < rows; r++)                                                        \
@@ -343,10 +379,8 @@ static int64_t float_tile_floats(int64_t rows, int64_t group, int64_t hd, int64_
 
 DEFINE_FLOAT_TILE(float_tile_f32, float, float_identity, float_identity, block_scores_f32,
                   block_values_f32, row_scores_f32, row_values_f32)
-#if !HAVE_BF16_DOT
 DEFINE_FLOAT_TILE(float_tile_bf16, uint16_t, bf16_to_float, float_to_bf16, block_scores_bf16,
                   block_values_bf16, row_scores_bf16, row_values_bf16)
-#endif
 
 #if HAVE_BF16_DOT
 /* One decode row against one KV head, head_dim fixed at compile time so the inner loops
@@ -548,7 +582,9 @@ static void tile_task_bf16(const uint16_t *q, int64_t q_row_stride, uint16_t *ou
     }
 }
 
-static int64_t bf16_dot_tile_floats(int64_t rows, int64_t group, int64_t hd, int64_t longest) {
+static int64_t bf16_dot_tile_floats(int64_t rows, int64_t group, int64_t hd, int64_t longest,
+                                    int64_t window) {
+    (void)window; /* the dot-product tiles run layers without a window only */
     const int64_t width = (rows * group + 15) / 16 * 16;
     return group * longest + hd / 2 * width + longest * width + longest * hd + width;
 }
@@ -557,7 +593,9 @@ static void bf16_dot_tile(const uint16_t *q, int64_t q_row_stride, uint16_t *out
                           int64_t out_row_stride, const uint16_t *k_head, const uint16_t *v_head,
                           const int64_t *table, const int64_t *lengths, int64_t rows,
                           int64_t group, int64_t hd, int64_t block_size, float scale,
-                          float *work) {
+                          int64_t window, float softcap, float *work) {
+    (void)window;
+    (void)softcap;
     if (rows > 1)
         tile_task_bf16(q, q_row_stride, out, out_row_stride, k_head, v_head, table, lengths, rows,
                        group, hd, block_size, scale, work);
@@ -571,13 +609,15 @@ static void bf16_dot_tile(const uint16_t *q, int64_t q_row_stride, uint16_t *out
 /* The entry points: rows cut into tiles (runs of one prefill chunk's rows: same table, lengths
  * growing by one), then (tile, KV head) tasks, longest tiles first. */
 #define DEFINE_ENTRY(NAME, T, TILE, TILE_FLOATS)                                                    \
-    int NAME(const T *q, int64_t q_row_stride, const T *kv, const int64_t *block_tables,          \
-             int64_t table_width, const int64_t *row_tables, const int64_t *lengths, T *out,      \
-             int64_t out_row_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,   \
-             int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,              \
-             int num_threads) {                                                                   \
+    static int NAME(const T *q, int64_t q_row_stride, const T *kv, const int64_t *block_tables,   \
+                    int64_t table_width, const int64_t *row_tables, const int64_t *lengths,       \
+                    T *out, int64_t out_row_stride, int64_t num_seqs, int64_t num_heads,          \
+                    int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,                   \
+                    int64_t block_size, float scale, int64_t window, float softcap,               \
+                    int num_threads) {                                                            \
         const int64_t group = num_heads / num_kv_heads;                                           \
         if (group > MAX_GROUP || (head_dim != 64 && head_dim != 128)) return -1;                  \
+        if (window < 0 || !(softcap >= 0.f)) return -1;                                           \
         const int64_t head_stride = num_blocks * block_size * head_dim;                           \
         const T *k_base = kv, *v_base = kv + num_kv_heads * head_stride;                          \
         int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));                     \
@@ -592,7 +632,8 @@ static void bf16_dot_tile(const uint16_t *q, int64_t q_row_stride, uint16_t *out
                                                          task++) {                                \
                 const int64_t tile = num_tiles - 1 - task / num_kv_heads, h = task % num_kv_heads; \
                 const int64_t first = tiles[tile], rows = tiles[tile + 1] - first;                \
-                const int64_t need = TILE_FLOATS(rows, group, head_dim, lengths[first + rows - 1]); \
+                const int64_t need =                                                              \
+                    TILE_FLOATS(rows, group, head_dim, lengths[first + rows - 1], window);        \
                 if (need > capacity) {                                                            \
                     free(work);                                                                   \
                     capacity = need * 2;                                                          \
@@ -608,7 +649,7 @@ static void bf16_dot_tile(const uint16_t *q, int64_t q_row_stride, uint16_t *out
                 TILE(q + first * q_row_stride + h * group * head_dim, q_row_stride,               \
                      out + first * out_row_stride + h * group * head_dim, out_row_stride,         \
                      k_base + h * head_stride, v_base + h * head_stride, table, lengths + first,  \
-                     rows, group, head_dim, block_size, scale, work);                             \
+                     rows, group, head_dim, block_size, scale, window, softcap, work);            \
             }                                                                                     \
             free(work);                                                                           \
         }                                                                                         \
@@ -616,9 +657,39 @@ static void bf16_dot_tile(const uint16_t *q, int64_t q_row_stride, uint16_t *out
         return failed ? -2 : 0;                                                                   \
     }
 
-DEFINE_ENTRY(kvserve_paged_decode_f32, float, float_tile_f32, float_tile_floats)
+DEFINE_ENTRY(attend_f32, float, float_tile_f32, float_tile_floats)
+DEFINE_ENTRY(attend_bf16_float, uint16_t, float_tile_bf16, float_tile_floats)
 #if HAVE_BF16_DOT
-DEFINE_ENTRY(kvserve_paged_decode_bf16, uint16_t, bf16_dot_tile, bf16_dot_tile_floats)
-#else
-DEFINE_ENTRY(kvserve_paged_decode_bf16, uint16_t, float_tile_bf16, float_tile_floats)
+DEFINE_ENTRY(attend_bf16_dot, uint16_t, bf16_dot_tile, bf16_dot_tile_floats)
 #endif
+
+#define KVSERVE_ATTENTION_ARGS(T)                                                                   \
+    const T *q, int64_t q_row_stride, const T *kv, const int64_t *block_tables,                   \
+        int64_t table_width, const int64_t *row_tables, const int64_t *lengths, T *out,           \
+        int64_t out_row_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,        \
+        int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale
+#define KVSERVE_ATTENTION_PASS                                                                      \
+    q, q_row_stride, kv, block_tables, table_width, row_tables, lengths, out, out_row_stride,     \
+        num_seqs, num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale
+
+int kvserve_paged_attention_f32(KVSERVE_ATTENTION_ARGS(float), int64_t window, float softcap,
+                                int num_threads) {
+    return attend_f32(KVSERVE_ATTENTION_PASS, window, softcap, num_threads);
+}
+
+int kvserve_paged_attention_bf16(KVSERVE_ATTENTION_ARGS(uint16_t), int64_t window, float softcap,
+                                 int num_threads) {
+#if HAVE_BF16_DOT
+    if (window == 0 && softcap == 0.f)
+        return attend_bf16_dot(KVSERVE_ATTENTION_PASS, 0, 0.f, num_threads);
+#endif
+    return attend_bf16_float(KVSERVE_ATTENTION_PASS, window, softcap, num_threads);
+}
+
+int kvserve_paged_decode_f32(KVSERVE_ATTENTION_ARGS(float), int num_threads) {
+    return attend_f32(KVSERVE_ATTENTION_PASS, 0, 0.f, num_threads);
+}
+
+int kvserve_paged_decode_bf16(KVSERVE_ATTENTION_ARGS(uint16_t), int num_threads) {
+    return kvserve_paged_attention_bf16(KVSERVE_ATTENTION_PASS, 0, 0.f, num_threads);
+}

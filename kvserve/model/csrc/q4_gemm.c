@@ -1,5 +1,5 @@
 /*
- * Products with weights kept in 4-bit blocks (`--quantization q4`, kvserve/model/quant4.py), with
+ * Products with weights kept in 4-bit blocks (`--quantization q4`, kvserve/model/linear/q4.py), with
  * AVX512-VNNI: the weights stay 4 bits in memory and are unpacked in registers, so a decode step,
  * which reads every weight once, reads about half the bytes of int8 weights.
  *
@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "q4.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -244,6 +245,20 @@ void kvserve_add_rmsnorm_qb(float *x, const float *delta, const float *weight, i
 
 DEFINE_QUANTIZE_BLOCKS(kvserve_quantize_blocks_f32, float, float_identity)
 DEFINE_QUANTIZE_BLOCKS(kvserve_quantize_blocks_bf16, uint16_t, bf16_to_float)
+
+/* m = gelu_tanh(gate) * up (GeGLU), otherwise as kvserve_silu_mul_qb. */
+void kvserve_gelu_tanh_mul_qb(const float *gate_up, int8_t *q, float *scales, float *sums,
+                              int64_t rows, int64_t width, int num_threads) {
+    _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * width, *up = gate + width;
+        float v[width];
+        _Pragma("omp simd") for (int64_t i = 0; i < width; i++) v[i] =
+            gelu_tanh_approx(gate[i]) * up[i];
+        quantize_blocks_row(v, width, q + r * width, q + (rows + r) * width,
+                            scales + r * (width / 32), sums + r * (width / 32));
+    }
+}
 
 /* m = silu(gate) * up from the float gate|up product [rows][2 * width], quantized per block. */
 void kvserve_silu_mul_qb(const float *gate_up, int8_t *q, float *scales, float *sums,

@@ -20,30 +20,37 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from kvserve.engine.stream import Delta
 from kvserve.params import SamplingParams
 from kvserve.server import schemas
 from kvserve.server.core import ServerState, json_response
 from kvserve.server.dialects.function_tools import (
-    CallArguments,
-    CallEnd,
-    CallReader,
-    CallStart,
     FunctionTool,
-    Piece,
     encode_conversation,
     openai_tools,
     parse_arguments,
     tool_plan,
 )
 from kvserve.server.protocol import APIError, _Model, dumps, validated_sampling_params
+from kvserve.server.render import (
+    BodyRenderer,
+    CallArguments,
+    CallEnd,
+    CallStart,
+    Ending,
+    Piece,
+    Rendering,
+    StreamRenderer,
+    Update,
+)
 from kvserve.server.tools import ToolPlan, parser_for
 
 __all__ = [
     "PATHS",
     "CountTokensRequest",
-    "MessagesRequest",
+    "MessagesBody",
     "MessagesRendering",
+    "MessagesRequest",
+    "MessagesStream",
     "error_body",
     "register",
 ]
@@ -299,92 +306,91 @@ def _frame(kind: str, data: Mapping[str, Any]) -> str:
     return f"event: {kind}\ndata: {dumps(data)}\n\n"
 
 
-def _stop_reason(final: Delta, called: bool) -> str:
-    if final.finish_reason == "length":
+Event = tuple[str, dict[str, Any]]
+"""A stream event: its type and its data."""
+
+
+class _Content:
+    """The message's content blocks, built piece by piece: text becomes `text` blocks, each
+    call a `tool_use` block. Each change is also returned as the events that announce it
+    (`content_block_start`, `content_block_delta`, `content_block_stop`)."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self.called = False
+        self._open = False  # the last block still takes deltas
+
+    def add(self, update: Update) -> list[Event]:
+        events: list[Event] = []
+        for piece in update.pieces:
+            events += self._add(piece)
+        if update.finish_reason is not None:
+            events += self._close()
+        return events
+
+    def _add(self, piece: Piece) -> list[Event]:
+        if isinstance(piece, CallStart):
+            self.called = True
+            block = {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}
+            return self._close() + self._start(block)
+        if isinstance(piece, CallArguments):
+            return self._delta({"type": "input_json_delta", "partial_json": piece.text})
+        if isinstance(piece, CallEnd):
+            self.blocks[-1]["input"] = parse_arguments(piece.arguments)
+            return self._close()
+        events: list[Event] = []
+        if not self._open or self.blocks[-1]["type"] != "text":
+            events = self._close() + self._start({"type": "text", "text": ""})
+        self.blocks[-1]["text"] += piece
+        return events + self._delta({"type": "text_delta", "text": piece})
+
+    def _start(self, block: dict[str, Any]) -> list[Event]:
+        self.blocks.append(block)
+        self._open = True
+        index = len(self.blocks) - 1
+        # A copy: the block itself grows as deltas arrive, the event shows how it began.
+        data = {"type": "content_block_start", "index": index, "content_block": dict(block)}
+        return [("content_block_start", data)]
+
+    def _delta(self, delta: dict[str, Any]) -> list[Event]:
+        index = len(self.blocks) - 1
+        return [
+            ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+        ]
+
+    def _close(self) -> list[Event]:
+        if not self._open:
+            return []
+        self._open = False
+        index = len(self.blocks) - 1
+        return [("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+
+def _stop_reason(ending: Ending, called: bool) -> str:
+    if ending.finish_reason == "length":
         return "max_tokens"
     if called:
         return "tool_use"
-    return "stop_sequence" if final.stop_sequence is not None else "end_turn"
+    return "stop_sequence" if ending.stop_sequence is not None else "end_turn"
 
 
-class MessagesRendering:
-    """One Messages answer, streamed (`kvserve.server.core.Rendering`) or whole.
+def _usage(ending: Ending) -> dict[str, int]:
+    return {
+        "input_tokens": ending.usage.prompt_tokens,
+        "output_tokens": ending.usage.completion_tokens,
+    }
 
-    `plan` is the request's tools (None without): text becomes `text` blocks and each call a
-    `tool_use` block, streamed as `content_block_start` and `input_json_delta` deltas."""
 
-    def __init__(
-        self, message_id: str, model: str, prompt_tokens: int, *, plan: ToolPlan | None = None
-    ) -> None:
+class MessagesStream(StreamRenderer):
+    """A Messages answer streamed: `message_start`, the content blocks' events, then
+    `message_delta` (stop reason, usage) and `message_stop`; every frame names its type in an
+    `event:` line. An error after the start is `event: error`."""
+
+    def __init__(self, message_id: str, model: str, prompt_tokens: int) -> None:
         self.message_id = message_id
         self.model = model
         self.prompt_tokens = prompt_tokens
-        self._reader = CallReader(plan, "toolu_")
-        self._blocks: list[dict[str, Any]] = []
-        self._open = False  # the last block still takes deltas
-        self._arguments: list[str] = []  # the open tool_use block's input JSON so far
-
-    # -- the content, piece by piece -----------------------------------------------------------
-
-    def _add(self, piece: Piece, stream: bool) -> str:
-        """Add a piece to the content; the frames saying so when streaming."""
-        out: list[str] = []
-        if isinstance(piece, CallStart):
-            out.append(self._close(stream))
-            block = {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}
-            out.append(self._start(block, stream))
-            self._arguments = []
-            return "".join(out)
-        if isinstance(piece, CallArguments):
-            self._arguments.append(piece.text)
-            delta = {"type": "input_json_delta", "partial_json": piece.text}
-            return self._delta(delta, stream)
-        if isinstance(piece, CallEnd):
-            self._blocks[-1]["input"] = parse_arguments(piece.arguments)
-            return self._close(stream)
-        if not self._open or self._blocks[-1]["type"] != "text":
-            if self._reader.offers_tools and not piece.strip():
-                return ""  # no block for whitespace between calls
-            out.append(self._close(stream))
-            out.append(self._start({"type": "text", "text": ""}, stream))
-        self._blocks[-1]["text"] += piece
-        out.append(self._delta({"type": "text_delta", "text": piece}, stream))
-        return "".join(out)
-
-    def _start(self, block: dict[str, Any], stream: bool) -> str:
-        self._blocks.append(block)
-        self._open = True
-        if not stream:
-            return ""
-        index = len(self._blocks) - 1
-        return _frame(
-            "content_block_start",
-            {"type": "content_block_start", "index": index, "content_block": block},
-        )
-
-    def _delta(self, delta: dict[str, Any], stream: bool) -> str:
-        if not stream:
-            return ""
-        index = len(self._blocks) - 1
-        return _frame(
-            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
-        )
-
-    def _close(self, stream: bool) -> str:
-        if not self._open:
-            return ""
-        self._open = False
-        if not stream:
-            return ""
-        index = len(self._blocks) - 1
-        return _frame("content_block_stop", {"type": "content_block_stop", "index": index})
-
-    def _feed(self, delta: Delta, stream: bool) -> str:
-        pieces = self._reader.feed(delta.text, final=delta.finished)
-        out = "".join(self._add(piece, stream) for piece in pieces)
-        return out + self._close(stream) if delta.finished else out
-
-    # -- streaming -----------------------------------------------------------------------------
+        self._content = _Content()
 
     def head(self) -> str:
         message = {
@@ -399,47 +405,60 @@ class MessagesRendering:
         }
         return _frame("message_start", {"type": "message_start", "message": message})
 
-    def frames(self, delta: Delta) -> str:
-        return self._feed(delta, True)
+    def update(self, update: Update) -> str:
+        return "".join(_frame(kind, data) for kind, data in self._content.add(update))
 
-    def tail(self, final: Delta) -> str:
-        out = self._feed(final, True)
-        response = self.response(final)
+    def tail(self, ending: Ending) -> str:
         delta = {
             "type": "message_delta",
             "delta": {
-                "stop_reason": response["stop_reason"],
-                "stop_sequence": response["stop_sequence"],
+                "stop_reason": _stop_reason(ending, self._content.called),
+                "stop_sequence": ending.stop_sequence,
             },
-            "usage": response["usage"],
+            "usage": _usage(ending),
         }
-        return (
-            out + _frame("message_delta", delta) + _frame("message_stop", {"type": "message_stop"})
-        )
+        return _frame("message_delta", delta) + _frame("message_stop", {"type": "message_stop"})
 
-    def error_tail(self, error: APIError) -> str:
+    def error(self, error: APIError) -> str:
         return _frame("error", error_body(error))
 
-    # -- whole ---------------------------------------------------------------------------------
 
-    def add(self, delta: Delta) -> None:
-        self._feed(delta, False)
+class MessagesBody(BodyRenderer):
+    """A Messages answer whole: a `message` with its content blocks, stop reason and usage."""
 
-    def response(self, final: Delta) -> dict[str, Any]:
-        assert final.usage is not None
+    def __init__(self, message_id: str, model: str) -> None:
+        self.message_id = message_id
+        self.model = model
+        self._content = _Content()
+
+    def update(self, update: Update) -> None:
+        self._content.add(update)
+
+    def body(self, ending: Ending) -> dict[str, Any]:
         return {
             "id": self.message_id,
             "type": "message",
             "role": "assistant",
-            "content": self._blocks,
+            "content": self._content.blocks,
             "model": self.model,
-            "stop_reason": _stop_reason(final, self._reader.called),
-            "stop_sequence": final.stop_sequence,
-            "usage": {
-                "input_tokens": final.usage.prompt_tokens,
-                "output_tokens": final.usage.completion_tokens,
-            },
+            "stop_reason": _stop_reason(ending, self._content.called),
+            "stop_sequence": ending.stop_sequence,
+            "usage": _usage(ending),
         }
+
+
+class MessagesRendering(Rendering):
+    """One Messages answer, streamed or whole. `plan` is the request's tools (None without)."""
+
+    def __init__(
+        self, message_id: str, model: str, prompt_tokens: int, *, plan: ToolPlan | None = None
+    ) -> None:
+        super().__init__(
+            plan,
+            stream=lambda: MessagesStream(message_id, model, prompt_tokens),
+            whole=lambda: MessagesBody(message_id, model),
+            id_prefix="toolu_",
+        )
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,34 +1,35 @@
-"""Function tools for the Anthropic Messages and OpenAI Responses dialects, on the tool calling
-of `kvserve.server.tools` that OpenAI chat uses: one validation, one prompt, one Hermes parser,
-one constraint per tool choice.
+"""Function tools as every dialect shares them, on the tool calling of `kvserve.server.tools`:
+one validation, one prompt, one parser per template family, one constraint per tool choice, and
+one reader of the answer.
 
-Each dialect checks its own `tools` in its own words (`FunctionTool`, `openai_tools`), turns its
-`tool_choice` into OpenAI's, and gets a `ToolPlan` from `tool_plan`. A forced call (Anthropic
-`any` or a named tool, Responses `required` or a named function) comes back with the
-structured-output constraint its answer is generated under, as in the chat dialect:
+Each dialect checks its own `tools` in its own words (`FunctionTool`, `openai_tools`; OpenAI's
+and Ollama's tools already have OpenAI's shape), turns its `tool_choice` into OpenAI's, and gets
+a `ToolPlan` from `tool_plan`. A forced call (`required` or a named function in OpenAI's words,
+Anthropic's `any` or a named tool) comes back with the structured-output constraint its answer
+is generated under:
 
 - `required`: a JSON array of ``{"name", "parameters"}`` calls (vLLM's shape);
 - a named tool: that tool's arguments, as a JSON object.
 
-`CallReader` reads the answer back as the pieces a renderer draws: text, and each call as a
-`CallStart`, its arguments in `CallArguments` pieces, and a `CallEnd`. With `auto` the calls
-are those the model wrote in Hermes syntax (`<tool_call>{...}</tool_call>`); a named call
-streams its arguments as they are generated; a `required` array is read once it is complete.
+`CallReader` reads the answer back as the pieces a renderer draws (`kvserve.server.render`):
+text, and each call as a `CallStart`, its arguments in `CallArguments` pieces, and a `CallEnd`.
+With `auto` the calls are those the model wrote in its own syntax (Hermes:
+`<tool_call>{...}</tool_call>`); a named call streams its arguments as they are generated; a
+`required` array is read once it is complete.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.server.core import in_thread
 from kvserve.server.protocol import APIError
 from kvserve.server.tools import (
-    TOOL_CALL_PARSERS,
+    TOOL_NAME,
     ToolCall,
     ToolPlan,
     new_call_id,
@@ -51,9 +52,6 @@ __all__ = [
     "tool_plan",
 ]
 
-# Anthropic's and OpenAI's rule for a tool's name.
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
 
 @dataclass(frozen=True, slots=True)
 class FunctionTool:
@@ -71,7 +69,7 @@ def openai_tools(tools: Sequence[FunctionTool], param: str, schema_field: str) -
     names: set[str] = set()
     for index, tool in enumerate(tools):
         where = f"{param}[{index}]"
-        if not isinstance(tool.name, str) or not _NAME.match(tool.name):
+        if not isinstance(tool.name, str) or not TOOL_NAME.match(tool.name):
             raise APIError(
                 400, f"'{where}.name' must be 1-64 letters, digits, '_' or '-'", param=where
             )
@@ -126,7 +124,8 @@ async def encode_conversation(
     `param`."""
     messages, template_kwargs = tool_prompt(plan, messages, tokenizer.chat_template, {})
     try:
-        return await in_thread(lambda: tokenizer.encode_chat(messages, **template_kwargs))
+        # Off the event loop: a long conversation takes a while to render and encode.
+        return await asyncio.to_thread(lambda: tokenizer.encode_chat(messages, **template_kwargs))
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param=param) from None
 
@@ -145,10 +144,12 @@ def parse_arguments(arguments: str) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class CallStart:
-    """A call begins: its id and the function's name."""
+    """A call begins: its id and the function's name. `named`: the tool choice named this
+    function, so the whole answer is this call's arguments."""
 
     id: str
     name: str
+    named: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,9 +171,18 @@ Piece = str | CallStart | CallArguments | CallEnd
 
 
 class CallReader:
-    """Reads one answer, a delta at a time, as text and calls under a request's tool plan.
+    """Reads one answer, a delta at a time, as text and calls under a request's tool plan:
+    the one place where the tool choice decides what the answer's text is.
 
-    Without a plan (or with `none`) all of it is text. Call ids begin with `id_prefix`.
+    - no plan, or `none`: all of it is text;
+    - `auto`: the calls are those the model wrote in its own syntax (the plan's parser), the
+      rest is text;
+    - a named function: the whole answer is that call's arguments, streamed as generated;
+    - `required`: the answer is a JSON array of calls, read once it is complete (cut short by
+      the budget, what there is stays text).
+
+    With tools offered, whitespace-only text that opens the answer or follows a call is layout,
+    not content, and is dropped. Call ids begin with `id_prefix`.
     """
 
     def __init__(self, plan: ToolPlan | None, id_prefix: str) -> None:
@@ -180,11 +190,12 @@ class CallReader:
         self._name = plan.name if plan is not None else None
         self._id_prefix = id_prefix
         self._parser = (
-            TOOL_CALL_PARSERS[plan.parser](id_prefix)
-            if plan is not None and self._choice == "auto"
+            plan.new_parser(id_prefix)
+            if plan is not None and self._choice != "none" and plan.reads_with_parser
             else None
         )
         self._text: list[str] = []  # a named call's arguments, or the required array
+        self._in_text = False  # text was said since the start or the last call
         self.called = False
 
     @property
@@ -196,14 +207,13 @@ class CallReader:
         """The pieces `text` completes; `final` on the answer's last delta."""
         if self._choice == "none":
             return [text] if text else []
-        if self._choice == "auto":
-            assert self._parser is not None
+        if self._parser is not None:  # auto, or a forced call in the family's own syntax
             items = self._parser.feed(text) if text else []
             if final:
                 items += self._parser.finish()
             pieces: list[Piece] = []
             for item in items:
-                pieces += self._call(item) if isinstance(item, ToolCall) else [item]
+                pieces += self._call(item) if isinstance(item, ToolCall) else self._said(item)
             return pieces
         if self._choice == "named":
             return self._named(text, final)
@@ -213,15 +223,22 @@ class CallReader:
         whole = "".join(self._text)
         calls = parse_required(whole, self._id_prefix)
         if calls is None:  # cut by the budget: what there is stays text
-            return [whole] if whole else []
+            return self._said(whole)
         return [piece for call in calls for piece in self._call(call)]
+
+    def _said(self, text: str) -> list[Piece]:
+        if not self._in_text and not text.strip():
+            return []  # layout around calls
+        self._in_text = True
+        return [text]
 
     def _named(self, text: str, final: bool) -> list[Piece]:
         pieces: list[Piece] = []
         if text:
             if not self.called:
                 self.called = True
-                pieces.append(CallStart(new_call_id(self._id_prefix), self._name or ""))
+                call_id = new_call_id(self._id_prefix)
+                pieces.append(CallStart(call_id, self._name or "", named=True))
             self._text.append(text)
             pieces.append(CallArguments(text))
         if final and self.called:
@@ -230,6 +247,7 @@ class CallReader:
 
     def _call(self, call: ToolCall) -> list[Piece]:
         self.called = True
+        self._in_text = False
         return [
             CallStart(call.id, call.name),
             CallArguments(call.arguments),

@@ -3,68 +3,111 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from kvserve.engine.stream import TokenLogprob, Usage
+from kvserve.engine.stream import TokenLogprob
 from kvserve.server import schemas
 from kvserve.server.core import ServerState, in_thread
 from kvserve.server.dialects.openai import (
     ChatCompletionRequest,
+    OpenAIBody,
     OpenAIStream,
-    _Renderer,
     chat_logprobs,
     engine_param_names,
     sampling_params,
     usage_dict,
 )
 from kvserve.server.protocol import APIError
+from kvserve.server.render import CallArguments, CallEnd, CallStart, Ending, Rendering, Update
+from kvserve.server.sse import event
 from kvserve.server.structured import structured
-from kvserve.server.tools import (
-    TOOL_CALL_PARSERS,
-    ToolCall,
-    ToolPlan,
-    parse_required,
-    parser_for,
-    plan_tools,
-    tool_prompt,
-)
+from kvserve.server.tools import ToolPlan, parser_for, plan_tools, tool_prompt
 from kvserve.tokenizer import ChatTemplateError
 
-__all__ = ["PATHS", "ChatRenderer", "ToolChatRenderer", "register"]
+__all__ = ["PATHS", "ChatBody", "ChatStream", "chat_rendering", "register"]
 
 PATHS = ("/v1/chat/completions",)
 BODIES = {("post", "/v1/chat/completions"): ChatCompletionRequest}
 """Each route's JSON body, for the API's description."""
 
 
-class ChatRenderer(_Renderer):
-    """`chat.completion` and `chat.completion.chunk`."""
+def _finish_reason(reason: str, num_calls: int, named: bool) -> str:
+    # OpenAI: "tool_calls" once calls were made, but "stop" for a function the request named.
+    if reason == "stop" and num_calls and not named:
+        return "tool_calls"
+    return reason
+
+
+class ChatStream(OpenAIStream):
+    """`chat.completion.chunk` events: the first delta of each answer carries its role; text
+    goes out as `delta.content`, a call as `delta.tool_calls` (its first delta with index, id,
+    type and name, then its arguments)."""
 
     chunk_object = "chat.completion.chunk"
 
-    def start_chunks(self) -> list[str]:
-        return [
-            self._chunk(
-                [
-                    {
-                        "index": index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._num_calls = [0] * self.n
+        self._named = False
+
+    def head(self) -> str:
+        return "".join(
+            event(
+                self._chunk(
+                    [
+                        {
+                            "index": index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
             )
             for index in range(self.n)
-        ]
+        )
 
-    def _choice(
-        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None, index: int
-    ) -> dict[str, Any]:
-        return {
+    def update(self, update: Update) -> str:
+        index = update.index
+        chunks: list[str] = []
+        text: list[str] = []
+        for piece in update.pieces:
+            if isinstance(piece, str):
+                text.append(piece)
+                continue
+            if text:
+                chunks.append(self._content(index, "".join(text), (), None))
+                text = []
+            if isinstance(piece, CallStart):
+                self._named = piece.named
+                self._num_calls[index] += 1
+                entry = {
+                    "index": self._num_calls[index] - 1,
+                    "id": piece.id,
+                    "type": "function",
+                    "function": {"name": piece.name, "arguments": ""},
+                }
+                chunks.append(self._tool_delta(index, entry))
+            elif isinstance(piece, CallArguments):
+                entry = {"index": self._num_calls[index] - 1, "function": {"arguments": piece.text}}
+                chunks.append(self._tool_delta(index, entry))
+        content = "".join(text)
+        logprobs = update.logprobs if self.want_logprobs else ()
+        finish = update.finish_reason
+        if finish is not None:
+            finish = _finish_reason(finish, self._num_calls[index], self._named)
+        if content or logprobs or finish is not None:
+            chunks.append(self._content(index, content, logprobs, finish))
+        return "".join(map(event, chunks))
+
+    def _content(
+        self, index: int, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
+    ) -> str:
+        choice = {
             "index": index,
             "delta": {"content": text} if text or finish_reason is None else {},
             "logprobs": {"content": chat_logprobs(logprobs, self.token_bytes)}
@@ -72,148 +115,91 @@ class ChatRenderer(_Renderer):
             else None,
             "finish_reason": finish_reason,
         }
+        return self._chunk([choice])
 
-    def response(self, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        return {
-            "id": self.response_id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": index,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": (
-                        {"content": chat_logprobs(logprobs, self.token_bytes)}
-                        if self.want_logprobs
-                        else None
-                    ),
-                    "finish_reason": reason,
-                }
-                for index, text, logprobs, reason in self.answers(finish_reason)
-            ],
-            "usage": usage_dict(usage),
-        }
-
-
-# --------------------------------------------------------------------------------------------
-# The answer: message.tool_calls, and streaming deltas like OpenAI's
-
-
-class ToolChatRenderer(ChatRenderer):
-    """Chat responses for a request with tools: calls as `message.tool_calls` and as
-    `delta.tool_calls` (the first delta of a call carries index, id, type and name; then its
-    arguments), `finish_reason` "tool_calls" when calls were made ("stop" for a named function,
-    as OpenAI does)."""
-
-    def __init__(self, *args: Any, plan: ToolPlan, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.plan = plan
-        self._parser = TOOL_CALL_PARSERS[plan.parser]() if plan.choice == "auto" else None
-        self._num_calls = 0
-        self._named: ToolCall | None = None
-        self._buffered: list[str] = []
-
-    # -- streaming
-
-    def delta_chunks(
-        self,
-        text: str,
-        logprobs: Sequence[TokenLogprob],
-        finish_reason: str | None,
-        index: int = 0,
-    ) -> list[str]:
-        chunks: list[str] = []  # one answer: requests with tools have n = 1
-        choice = self.plan.choice
-        if choice == "auto":
-            items = self._parser.feed(text) if text else []
-            if finish_reason is not None:
-                items += self._parser.finish()
-            for item in items:
-                if isinstance(item, ToolCall):
-                    chunks += self._call_chunks(item)
-                else:
-                    chunks.append(self._chunk([self._choice(item, (), None, 0)]))
-        elif choice == "named":
-            if text:
-                if self._named is None:
-                    self._named = ToolCall(self.plan.name, "")
-                    chunks.append(self._tool_delta(self._header(self._named, 0)))
-                chunks.append(self._tool_delta({"index": 0, "function": {"arguments": text}}))
-        else:  # required: the calls are known once the array is complete
-            self._buffered.append(text)
-            if finish_reason is not None:
-                full = "".join(self._buffered)
-                calls = parse_required(full)
-                if calls is None:
-                    if full:
-                        chunks.append(self._chunk([self._choice(full, (), None, 0)]))
-                else:
-                    for call in calls:
-                        chunks += self._call_chunks(call)
-        if finish_reason is not None:
-            end = {
-                "index": 0,
-                "delta": {},
-                "logprobs": None,
-                "finish_reason": self._finish_reason(finish_reason),
-            }
-            chunks.append(self._chunk([end]))
-        return chunks
-
-    def _call_chunks(self, call: ToolCall) -> list[str]:
-        index = self._num_calls
-        self._num_calls += 1
-        return [
-            self._tool_delta(self._header(call, index)),
-            self._tool_delta({"index": index, "function": {"arguments": call.arguments}}),
-        ]
-
-    @staticmethod
-    def _header(call: ToolCall, index: int) -> dict[str, Any]:
-        return {
-            "index": index,
-            "id": call.id,
-            "type": "function",
-            "function": {"name": call.name, "arguments": ""},
-        }
-
-    def _tool_delta(self, entry: dict[str, Any]) -> str:
+    def _tool_delta(self, index: int, entry: dict[str, Any]) -> str:
         choice = {
-            "index": 0,
+            "index": index,
             "delta": {"tool_calls": [entry]},
             "logprobs": None,
             "finish_reason": None,
         }
         return self._chunk([choice])
 
-    def _finish_reason(self, finish_reason: str) -> str:
-        if finish_reason == "stop" and self.plan.choice != "named" and self._num_calls:
-            return "tool_calls"
-        return finish_reason
 
-    # -- one response
+class ChatBody(OpenAIBody):
+    """A `chat.completion`: each answer's message (its calls as `message.tool_calls`, and
+    `content` null when it made calls and said nothing) and finish reason."""
 
-    def response(self, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        body = super().response(finish_reason, usage)
-        text = self.text
-        choice = self.plan.choice
-        content: str | None
-        if choice == "auto":
-            content, calls = TOOL_CALL_PARSERS[self.plan.parser]().parse(text)
-        elif choice == "named":
-            content, calls = None, [ToolCall(self.plan.name, text)]
-        else:
-            calls = parse_required(text)
-            content, calls = (text or None, []) if calls is None else (None, calls)
-        self._num_calls = len(calls)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [call.as_dict() for call in calls]
-        result = body["choices"][0]
-        result["message"] = message
-        result["finish_reason"] = self._finish_reason(finish_reason)
-        return body
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._calls: list[list[dict[str, Any]]] = [[] for _ in range(self.n)]
+        self._named = False
+
+    def update(self, update: Update) -> None:
+        super().update(update)
+        calls = self._calls[update.index]
+        for piece in update.pieces:
+            if isinstance(piece, CallStart):
+                self._named = piece.named
+                function = {"name": piece.name, "arguments": ""}
+                calls.append({"id": piece.id, "type": "function", "function": function})
+            elif isinstance(piece, CallEnd):
+                calls[-1]["function"]["arguments"] = piece.arguments
+
+    def body(self, ending: Ending) -> dict[str, Any]:
+        choices = []
+        for index, text, logprobs, reason in self.answers(ending.finish_reason):
+            calls = self._calls[index]
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": text if text or not calls else None,
+            }
+            if calls:
+                message["tool_calls"] = calls
+            choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": (
+                        {"content": chat_logprobs(logprobs, self.token_bytes)}
+                        if self.want_logprobs
+                        else None
+                    ),
+                    "finish_reason": _finish_reason(reason, len(calls), self._named),
+                }
+            )
+        return {
+            "id": self.response_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage_dict(ending.usage),
+        }
+
+
+def chat_rendering(
+    response_id: str,
+    model: str,
+    token_bytes: Callable[[int], bytes],
+    *,
+    logprobs: bool = False,
+    include_usage: bool = False,
+    n: int = 1,
+    plan: ToolPlan | None = None,
+) -> Rendering:
+    """One chat answer, streamed or whole. With tools offered no log-probabilities are
+    streamed (a token may lie inside a call); the whole answer still lists them."""
+    args = (response_id, model, int(time.time()), token_bytes)
+    offers_tools = plan is not None and plan.offers_tools
+    return Rendering(
+        plan,
+        stream=lambda: ChatStream(
+            *args, logprobs=logprobs and not offers_tools, include_usage=include_usage, n=n
+        ),
+        whole=lambda: ChatBody(*args, logprobs=logprobs, n=n),
+    )
 
 
 def register(app: FastAPI, state: ServerState) -> None:
@@ -267,24 +253,23 @@ def register(app: FastAPI, state: ServerState) -> None:
             prompt_ids = await in_thread(lambda: tokenizer.encode_chat(messages, **template_kwargs))
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        renderer_args = (
+        if tools is not None and tools.offers_tools and params.n != 1:
+            raise APIError(400, "'n' above 1 is not supported with 'tools'", param="n")
+        rendering = chat_rendering(
             f"chatcmpl-{exchange.request_id}",
-            state.model_name,
-            int(time.time()),
+            state.model_name or "",
             tokenizer.token_bytes,
+            logprobs=bool(body.logprobs),
+            include_usage=body.include_usage,
+            n=params.n,
+            plan=tools,
         )
-        if tools is not None and tools.offers_tools:
-            if params.n != 1:
-                raise APIError(400, "'n' above 1 is not supported with 'tools'", param="n")
-            renderer = ToolChatRenderer(*renderer_args, logprobs=bool(body.logprobs), plan=tools)
-        else:
-            renderer = ChatRenderer(*renderer_args, logprobs=bool(body.logprobs), n=params.n)
         return await state.generate(
             request,
             exchange,
             prompt_ids,
             params,
-            OpenAIStream(renderer, include_usage=body.include_usage),
+            rendering,
             stream=bool(body.stream),
             param_names=engine_param_names(body),
             cache_salt=body.cache_salt,

@@ -28,26 +28,39 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from kvserve.engine.stream import Delta, Usage
+from kvserve.engine.stream import Usage
 from kvserve.params import SamplingParams, StructuredOutput
 from kvserve.server import schemas
 from kvserve.server.core import ServerState
 from kvserve.server.dialects.function_tools import (
-    CallArguments,
-    CallEnd,
-    CallReader,
-    CallStart,
     FunctionTool,
-    Piece,
     encode_conversation,
     openai_tools,
     tool_plan,
 )
 from kvserve.server.protocol import APIError, _Model, dumps, validated_sampling_params
+from kvserve.server.render import (
+    BodyRenderer,
+    CallArguments,
+    CallEnd,
+    CallStart,
+    Ending,
+    Piece,
+    Rendering,
+    StreamRenderer,
+    Update,
+)
 from kvserve.server.structured import from_text_format
 from kvserve.server.tools import ToolPlan, parser_for
 
-__all__ = ["PATHS", "ResponsesRendering", "ResponsesRequest", "register"]
+__all__ = [
+    "PATHS",
+    "ResponsesBody",
+    "ResponsesRendering",
+    "ResponsesRequest",
+    "ResponsesStream",
+    "register",
+]
 
 PATHS = ("/v1/responses",)
 
@@ -237,30 +250,122 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponsesRendering:
-    """One Responses answer, streamed (`kvserve.server.core.Rendering`) or whole.
+Event = tuple[str, dict[str, Any]]
+"""A stream event: its type and its fields (the sequence number is added when it is sent)."""
+
+
+class _Output:
+    """The response's output items, built piece by piece: text becomes a `message` item with
+    one `output_text` part, each call a `function_call` item. Each change is also returned as
+    the events that announce it."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._open_message = False
+
+    def add(self, update: Update) -> list[Event]:
+        events: list[Event] = []
+        for piece in update.pieces:
+            events += self._add(piece)
+        return events
+
+    def _add(self, piece: Piece) -> list[Event]:
+        if isinstance(piece, CallStart):
+            item = {
+                "type": "function_call",
+                "id": _item_id("fc"),
+                "call_id": piece.id,
+                "name": piece.name,
+                "arguments": "",
+                "status": "in_progress",
+            }
+            events = self._close_message()
+            self.items.append(item)
+            index = len(self.items) - 1
+            return [*events, ("response.output_item.added", {"output_index": index, "item": item})]
+        if isinstance(piece, CallArguments | CallEnd):
+            item = self.items[-1]
+            ids = {"item_id": item["id"], "output_index": len(self.items) - 1}
+            if isinstance(piece, CallArguments):
+                item["arguments"] += piece.text
+                return [("response.function_call_arguments.delta", {**ids, "delta": piece.text})]
+            item["arguments"] = piece.arguments
+            item["status"] = "completed"
+            return [
+                (
+                    "response.function_call_arguments.done",
+                    {**ids, "arguments": piece.arguments},
+                ),
+                ("response.output_item.done", {"output_index": ids["output_index"], "item": item}),
+            ]
+        events = [] if self._open_message else self._open()
+        part = self.items[-1]["content"][0]
+        part["text"] += piece
+        delta = {
+            "item_id": self.items[-1]["id"],
+            "output_index": len(self.items) - 1,
+            "content_index": 0,
+            "delta": piece,
+            "logprobs": [],
+        }
+        return [*events, ("response.output_text.delta", delta)]
+
+    def _open(self) -> list[Event]:
+        self._open_message = True
+        item = {
+            "type": "message",
+            "id": _item_id("msg"),
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
+        }
+        self.items.append(item)
+        index = len(self.items) - 1
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            (
+                "response.output_item.added",
+                {"output_index": index, "item": {**item, "content": []}},
+            ),
+            (
+                "response.content_part.added",
+                {"item_id": item["id"], "output_index": index, "content_index": 0, "part": part},
+            ),
+        ]
+
+    def _close_message(self) -> list[Event]:
+        if not self._open_message:
+            return []
+        self._open_message = False
+        item = self.items[-1]
+        item["status"] = "completed"
+        index = len(self.items) - 1
+        part = item["content"][0]
+        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return [
+            ("response.output_text.done", {**ids, "text": part["text"], "logprobs": []}),
+            ("response.content_part.done", {**ids, "part": part}),
+            ("response.output_item.done", {"output_index": index, "item": item}),
+        ]
+
+    def finish(self) -> list[Event]:
+        """The end of the output: an empty answer is still a message; the message closes."""
+        events = [] if self.items else self._open()
+        return events + self._close_message()
+
+
+class _ResponseObject:
+    """What the streamed and the whole answer share: the `response` object around the output.
 
     `settings` are the request's own values the response object repeats (instructions,
-    max_output_tokens, temperature, tools, ...); `plan` is the request's tools (None without):
-    text becomes a `message` item and each call a `function_call` item, its arguments streamed
-    as `response.function_call_arguments.delta` events."""
+    max_output_tokens, temperature, tools, ...)."""
 
-    def __init__(
-        self,
-        response_id: str,
-        model: str,
-        settings: Mapping[str, Any],
-        *,
-        plan: ToolPlan | None = None,
-    ) -> None:
+    def __init__(self, response_id: str, model: str, settings: Mapping[str, Any]) -> None:
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
         self.settings = dict(settings)
-        self._reader = CallReader(plan, "call_")
-        self._items: list[dict[str, Any]] = []
-        self._open_message = False
-        self._sequence = 0
+        self.output = _Output()
 
     def _response(
         self,
@@ -278,7 +383,7 @@ class ResponsesRendering:
             "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "model": self.model,
-            "output": self._items,
+            "output": self.output.items,
             "parallel_tool_calls": True,
             "previous_response_id": None,
             "store": False,
@@ -286,115 +391,29 @@ class ResponsesRendering:
             "usage": None if usage is None else _usage(usage),
         }
 
+    def _finished(self, ending: Ending) -> dict[str, Any]:
+        incomplete = ending.finish_reason == "length"
+        return self._response(
+            "incomplete" if incomplete else "completed", usage=ending.usage, incomplete=incomplete
+        )
+
+
+class ResponsesStream(_ResponseObject, StreamRenderer):
+    """A Responses answer streamed: every event carries its `sequence_number`;
+    `response.created` and `response.in_progress` first, `response.completed` (the whole
+    response) last, `response.failed` for an error after the start."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._sequence = 0
+
+    def _events(self, events: list[Event]) -> str:
+        return "".join(self._event(kind, **fields) for kind, fields in events)
+
     def _event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
         return f"event: {kind}\ndata: {dumps(data)}\n\n"
-
-    # -- the output, piece by piece ------------------------------------------------------------
-
-    def _add(self, piece: Piece, stream: bool) -> str:
-        """Add a piece to the output; the events saying so when streaming."""
-        if isinstance(piece, CallStart):
-            item = {
-                "type": "function_call",
-                "id": _item_id("fc"),
-                "call_id": piece.id,
-                "name": piece.name,
-                "arguments": "",
-                "status": "in_progress",
-            }
-            out = self._close_message(stream)
-            self._items.append(item)
-            if stream:
-                index = len(self._items) - 1
-                out += self._event("response.output_item.added", output_index=index, item=item)
-            return out
-        if isinstance(piece, CallArguments | CallEnd):
-            item = self._items[-1]
-            ids = {"item_id": item["id"], "output_index": len(self._items) - 1}
-            if isinstance(piece, CallArguments):
-                item["arguments"] += piece.text
-                if not stream:
-                    return ""
-                return self._event(
-                    "response.function_call_arguments.delta", **ids, delta=piece.text
-                )
-            item["arguments"] = piece.arguments
-            item["status"] = "completed"
-            if not stream:
-                return ""
-            return self._event(
-                "response.function_call_arguments.done", **ids, arguments=piece.arguments
-            ) + self._event(
-                "response.output_item.done", output_index=ids["output_index"], item=item
-            )
-        out = ""
-        if not self._open_message:
-            if self._reader.offers_tools and not piece.strip():
-                return ""  # no message for whitespace between calls
-            out = self._open(stream)
-        part = self._items[-1]["content"][0]
-        part["text"] += piece
-        if stream:
-            out += self._event(
-                "response.output_text.delta",
-                item_id=self._items[-1]["id"],
-                output_index=len(self._items) - 1,
-                content_index=0,
-                delta=piece,
-                logprobs=[],
-            )
-        return out
-
-    def _open(self, stream: bool) -> str:
-        self._open_message = True
-        item = {
-            "type": "message",
-            "id": _item_id("msg"),
-            "status": "in_progress",
-            "role": "assistant",
-            "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
-        }
-        self._items.append(item)
-        if not stream:
-            return ""
-        index = len(self._items) - 1
-        return self._event(
-            "response.output_item.added", output_index=index, item={**item, "content": []}
-        ) + self._event(
-            "response.content_part.added",
-            item_id=item["id"],
-            output_index=index,
-            content_index=0,
-            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
-        )
-
-    def _close_message(self, stream: bool) -> str:
-        if not self._open_message:
-            return ""
-        self._open_message = False
-        item = self._items[-1]
-        item["status"] = "completed"
-        if not stream:
-            return ""
-        index = len(self._items) - 1
-        part = item["content"][0]
-        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        return (
-            self._event("response.output_text.done", **ids, text=part["text"], logprobs=[])
-            + self._event("response.content_part.done", **ids, part=part)
-            + self._event("response.output_item.done", output_index=index, item=item)
-        )
-
-    def _finish(self, final: Delta, stream: bool) -> str:
-        out = [self._add(piece, stream) for piece in self._reader.feed(final.text, final=True)]
-        if not self._items:
-            out.append(self._open(stream))  # an empty answer is still a message
-        out.append(self._close_message(stream))
-        return "".join(out)
-
-    # -- streaming -----------------------------------------------------------------------------
 
     def head(self) -> str:
         response = self._response("in_progress")
@@ -402,34 +421,49 @@ class ResponsesRendering:
             "response.in_progress", response=response
         )
 
-    def frames(self, delta: Delta) -> str:
-        return "".join(
-            self._add(piece, True) for piece in self._reader.feed(delta.text, final=False)
-        )
+    def update(self, update: Update) -> str:
+        return self._events(self.output.add(update))
 
-    def tail(self, final: Delta) -> str:
-        out = self._finish(final, True)
-        return out + self._event("response.completed", response=self.response(final))
+    def tail(self, ending: Ending) -> str:
+        out = self._events(self.output.finish())
+        return out + self._event("response.completed", response=self._finished(ending))
 
-    def error_tail(self, error: APIError) -> str:
+    def error(self, error: APIError) -> str:
         failed = self._response(
             "failed", error={"code": error.code or error.error_type, "message": error.message}
         )
         return self._event("response.failed", response=failed)
 
-    # -- whole ---------------------------------------------------------------------------------
 
-    def add(self, delta: Delta) -> None:
-        if delta.finished:
-            self._finish(delta, False)
-            return
-        for piece in self._reader.feed(delta.text, final=False):
-            self._add(piece, False)
+class ResponsesBody(_ResponseObject, BodyRenderer):
+    """A Responses answer whole: the `response` with its output items, status and usage
+    (`incomplete` with `incomplete_details` when max_output_tokens ran out)."""
 
-    def response(self, final: Delta) -> dict[str, Any]:
-        incomplete = final.finish_reason == "length"
-        return self._response(
-            "incomplete" if incomplete else "completed", usage=final.usage, incomplete=incomplete
+    def update(self, update: Update) -> None:
+        self.output.add(update)
+
+    def body(self, ending: Ending) -> dict[str, Any]:
+        self.output.finish()
+        return self._finished(ending)
+
+
+class ResponsesRendering(Rendering):
+    """One Responses answer, streamed or whole. `plan` is the request's tools (None without):
+    each call found is a `function_call` item."""
+
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        settings: Mapping[str, Any],
+        *,
+        plan: ToolPlan | None = None,
+    ) -> None:
+        super().__init__(
+            plan,
+            stream=lambda: ResponsesStream(response_id, model, settings),
+            whole=lambda: ResponsesBody(response_id, model, settings),
+            id_prefix="call_",
         )
 
 

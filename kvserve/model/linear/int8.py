@@ -4,7 +4,7 @@ With AVX512-VNNI an int8 matrix product runs about twice as fast as bf16, and a 
 which reads every weight once, moves half the bytes. The product is a C kernel over weights
 packed at load (kvserve/model/csrc/int8_gemm.c; AVX512-VNNI, or AVX2 with the same exact sums);
 with neither, `torch._int_mm`, slower than float there (so `auto` does not pick int8). Each
-linear layer becomes
+linear layer becomes an `Int8Linear`:
 
     y = (q_x @ q_w.T) * s_x[:, None] * s_w        (int32 accumulation, exact)
 
@@ -25,6 +25,15 @@ channels while leaving its function unchanged, all folded into the weights at lo
 - the input of down_proj, silu(gate) * up, is rotated at run time by Walsh-Hadamard blocks
   (in the kernel that quantizes it) and the rotation undone in down_proj's columns.
 
+Families with post-norms (Gemma 2/3: an RMSNorm on the attention and MLP outputs before they
+join the residual) cannot fold those norms into a product: their weight acts after the
+normalization of the product's own output. There o_proj and down_proj write the model's basis,
+and one kernel (add_post_norm_q8) normalizes their output, applies the norm weight and rotates
+the result into the residual basis as it adds it. For that rotation to be cheap per row, the
+residual rotation of these families is `structured_rotation`: random signs, then normalized
+Walsh-Hadamard blocks of the largest power of 2 dividing the width (the odd part unmixed).
+Gemma's (1 + w) norms arrive as their factors (kvserve/model/families/) and fold like any other.
+
 The lm_head is quantized the same way (in the rotated basis, the final norm folded in) to pick
 each row's 16 best candidates, which are then recomputed exactly in float32 from the float
 lm_head, as the unquantized path does after its bf16 product. Measured on the default model: perplexity on an
@@ -39,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.model import native
+from kvserve.model.kernels import INT8_BLOCK_COLS, CpuKernels, KernelInputError
 
 # The rotation of the residual stream is fixed, so the same checkpoint always gives the same
 # quantized weights.
@@ -47,27 +56,144 @@ ROTATION_SEED = 0x6B76
 MAX_DOWN_BLOCK = 4096
 # Part of the key of prepared weights cached on disk (kvserve/model/weight_cache.py): bump it
 # whenever the prepared tensors change for the same checkpoint (rotation, rounding, packing).
-PREPARATION_VERSION = 1
+PREPARATION_VERSION = 3
 _WEIGHT_FIELDS = ("weight", "scale", "bias", "panels", "correction")
-_LAYER_WEIGHTS = ("qkv", "o", "gate_up", "down")
+
+
+def pack_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack an int8 weight [n, k] (k a multiple of 4) for the int8 product kernel: returns the
+    panels [ceil(n / 64), k / 4, 64, 4] int8 (zero columns past n) and the correction
+    128 * sum_k weight[n, k] as int32, padded alike."""
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.int8 or weight.dim() != 2:
+        raise KernelInputError("the weight to pack must be a 2-D int8 tensor")
+    n, k = weight.shape
+    if not (k % 4 == 0 and k > 0 and n > 0):
+        raise KernelInputError(f"cannot pack a [{n}, {k}] weight (k % 4 != 0)")
+    # Row sums in float32 are exact here (|sum| <= 127 k < 2^24 for k <= 2^17) and several
+    # times faster than torch's integer reduction, which dominated packing a 1B model.
+    if k > 1 << 17:
+        raise KernelInputError(f"cannot pack a [{n}, {k}] weight (k > 131072)")
+    blocks = -(-n // INT8_BLOCK_COLS)
+    padded = torch.zeros(blocks * INT8_BLOCK_COLS, k, dtype=torch.int8)
+    padded[:n] = weight
+    panels = padded.view(blocks, INT8_BLOCK_COLS, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    correction = (padded.float().sum(dim=1) * 128).to(torch.int32).contiguous()
+    return panels, correction
+
+
+class Int8Format:
+    """Per-row symmetric int8 rows with their scales, made by the quant_ops kernels. The
+    residual stream is in the rotated basis and the norms' weights are folded into the
+    products, so `normed` takes no weight. `down_block` is the Walsh-Hadamard block that
+    rotates the down product's input (`gated`, whose gate is `activation`'s); `residual_signs`
+    and `residual_block` describe a structured residual rotation (`structured_rotation`), which
+    `add_normed` applies to the post-norms' outputs."""
+
+    __slots__ = ("kernels", "down_block", "activation", "residual_signs", "residual_block")
+
+    def __init__(
+        self,
+        kernels: CpuKernels,
+        down_block: int,
+        activation: str = "silu",
+        residual_signs: torch.Tensor | None = None,
+        residual_block: int = 1,
+    ) -> None:
+        self.kernels = kernels
+        self.down_block = down_block
+        self.activation = activation
+        self.residual_signs = residual_signs  # [hidden] float32 of +-1
+        self.residual_block = residual_block
+
+    def normed(
+        self, x: torch.Tensor, delta: Int8Output | None, weight: torch.Tensor | None, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if weight is not None:
+            raise ValueError("the int8 format folds norm weights into its products")
+        if delta is None:
+            return self.kernels.add_rmsnorm_q8(x, None, None, None, eps)
+        return self.kernels.add_rmsnorm_q8(x, delta.acc, delta.row_scales, delta.col_scales, eps)
+
+    def add_normed(
+        self, x: torch.Tensor, delta: Int8Output, weight: torch.Tensor, eps: float
+    ) -> None:
+        """x += rmsnorm(delta) * weight, rotated into the residual basis (a post-norm)."""
+        if delta.bias is not None:
+            raise ValueError("a post-normed product has no bias here")
+        self.kernels.add_post_norm_q8(
+            x,
+            delta.acc,
+            delta.row_scales,
+            delta.col_scales,
+            weight,
+            eps,
+            self.residual_signs,
+            self.residual_block,
+        )
+
+    def rows(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.quantize_rows(t)
+
+    def gated(self, gate_up: Int8Output) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.silu_mul_q8(
+            gate_up.acc,
+            gate_up.row_scales,
+            gate_up.col_scales,
+            self.down_block,
+            activation=self.activation,
+        )
 
 
 @dataclass(slots=True)
-class Int8Weight:
+class Int8Output:
+    """An int8 product before dequantization: y = acc * row_scales[:, None] * col_scales + bias."""
+
+    acc: torch.Tensor  # [rows, out] int32
+    row_scales: torch.Tensor  # [rows] float32
+    col_scales: torch.Tensor  # [out] float32
+    bias: torch.Tensor | None
+    kernels: CpuKernels
+
+    def add_to(self, x: torch.Tensor) -> None:
+        if self.bias is not None:
+            raise ValueError("a product added to the residual stream has no bias here")
+        self.kernels.add_rmsnorm_q8(
+            x, self.acc, self.row_scales, self.col_scales, 0.0, normalize=False
+        )
+
+
+@dataclass(slots=True)
+class Int8Linear:
+    """Per-output-channel symmetric int8 weights, packed for the int8 product kernel where it
+    runs (else kept as [out, in] for torch._int_mm)."""
+
     weight: torch.Tensor | None  # [out, in] int8; None once packed into `panels`
     scale: torch.Tensor  # [out] float32
     bias: torch.Tensor | None  # [out] float32
-    # The weight packed for the VNNI kernel (kvserve/model/csrc/int8_gemm.c), when available:
-    panels: torch.Tensor | None = None
-    correction: torch.Tensor | None = None
+    panels: torch.Tensor | None = None  # [ceil(out / 64), in / 4, 64, 4] int8
+    correction: torch.Tensor | None = None  # [ceil(out / 64) * 64] int32
+    input: Int8Format | None = None
+    kernels: CpuKernels | None = None
+    dtype: torch.dtype = torch.float32  # of `dense`
 
     @property
     def out_features(self) -> int:
         return self.scale.shape[0]
 
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1] if self.panels is None else self.panels.shape[1] * 4
+
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Weight:
-        """Per-output-channel symmetric int8 of a float weight [out, in]."""
+    def quantize(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        kernels: CpuKernels | None = None,
+        **fields,
+    ) -> Int8Linear:
+        """Per-output-channel symmetric int8 of a float weight [out, in], packed where the
+        int8 product kernel runs."""
         weight = weight.float()
         top = weight.abs().amax(dim=1)
         scale = torch.where(top > 0, top / 127, torch.ones_like(top))
@@ -76,17 +202,26 @@ class Int8Weight:
             quantized.contiguous(),
             scale.contiguous(),
             None if bias is None else bias.float().contiguous(),
+            kernels=kernels,
+            **fields,
         )
-        if weight.shape[1] % 4 == 0 and native.int8_gemm_available():
-            result.panels, result.correction = native.pack_int8_weight(quantized)
+        if weight.shape[1] % 4 == 0 and kernels is not None and kernels.int8_gemm_isa:
+            result.panels, result.correction = pack_int8_weight(quantized)
             result.weight = None
         return result
 
     def matmul(self, q: torch.Tensor) -> torch.Tensor:
         """q: [rows, in] int8 -> [rows, out] int32, exact."""
         if self.panels is not None:
-            return native.int8_gemm(q, self.panels, self.correction, self.out_features)
+            return self.kernels.int8_gemm(q, self.panels, self.correction, self.out_features)
         return torch._int_mm(q, self.weight.t())
+
+    def apply(self, h: tuple[torch.Tensor, torch.Tensor]) -> Int8Output:
+        q, row_scales = h
+        return Int8Output(self.matmul(q), row_scales, self.scale, self.bias, self.kernels)
+
+    def dense(self, y: Int8Output) -> torch.Tensor:
+        return self.kernels.dequantize(y.acc, y.row_scales, y.col_scales, y.bias, self.dtype)
 
     @property
     def num_bytes(self) -> int:
@@ -102,74 +237,12 @@ class Int8Weight:
         }
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> Int8Weight:
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, **fields) -> Int8Linear:
         """The inverse of `to_tensors`."""
         values = {field: tensors.get(f"{prefix}.{field}") for field in _WEIGHT_FIELDS}
         if values["scale"] is None or (values["weight"] is None and values["panels"] is None):
             raise KeyError(f"prepared weight {prefix} is incomplete")
-        return cls(**values)
-
-
-@dataclass(slots=True)
-class Int8Layer:
-    qkv: Int8Weight
-    o: Int8Weight
-    gate_up: Int8Weight
-    down: Int8Weight
-
-
-@dataclass(slots=True)
-class Int8Weights:
-    layers: list[Int8Layer]
-    rotation: torch.Tensor  # [hidden, hidden] float32: the residual stream is x @ rotation
-    inverse: torch.Tensor  # rotation.T, contiguous
-    down_block: int  # Walsh-Hadamard block of the down_proj input (1: none)
-    head: Int8Weight  # lm_head, final norm folded in, reading the rotated residual
-    # The layers described for the C driver (kvserve/model/csrc/forward_int8.c), when every
-    # weight is packed for the VNNI kernel; None otherwise (the forward pass then loops here).
-    native_layers: object = None
-
-    @property
-    def num_bytes(self) -> int:
-        total = sum(
-            w.num_bytes
-            for layer in self.layers
-            for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        )
-        total += self.head.num_bytes
-        return total + 2 * self.rotation.numel() * self.rotation.element_size()
-
-    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-        """Every tensor by name, and the integers that complete them (for the weight cache)."""
-        tensors = {"rotation": self.rotation} | self.head.to_tensors("head")
-        for index, layer in enumerate(self.layers):
-            for name in _LAYER_WEIGHTS:
-                tensors |= getattr(layer, name).to_tensors(f"layers.{index}.{name}")
-        return tensors, {"num_layers": len(self.layers), "down_block": self.down_block}
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], numbers: dict[str, int]) -> Int8Weights:
-        """The inverse of `to_tensors`; the C layer table is rebuilt when every weight is
-        packed (the tensors may be memory-mapped: they are used where they lie)."""
-        layers = [
-            Int8Layer(
-                *(
-                    Int8Weight.from_tensors(tensors, f"layers.{index}.{name}")
-                    for name in _LAYER_WEIGHTS
-                )
-            )
-            for index in range(numbers["num_layers"])
-        ]
-        rotation = tensors["rotation"]
-        weights = cls(
-            layers,
-            rotation,
-            rotation.t().contiguous(),
-            int(numbers["down_block"]),
-            Int8Weight.from_tensors(tensors, "head"),
-        )
-        weights.native_layers = _native_table(layers)
-        return weights
+        return cls(**values, **fields)
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -248,6 +321,16 @@ def residual_rotation(hidden: int, seed: int = ROTATION_SEED) -> Rotation:
     return Rotation(tuple(factors), signs)
 
 
+def structured_rotation(hidden: int, seed: int = ROTATION_SEED) -> Rotation:
+    """diag(random signs) @ (normalized Hadamard blocks of `down_block(hidden)` columns): the
+    residual rotation of the families with post-norms, cheap to apply to one row at run time
+    (kernels.add_post_norm_q8: a sign flip and a Walsh-Hadamard transform per block)."""
+    generator = torch.Generator().manual_seed(seed)
+    block = down_block(hidden)
+    signs = (torch.randint(0, 2, (hidden,), generator=generator) * 2 - 1).float()
+    return Rotation((hidden // block, *_power_of_two_factors(block)), signs)
+
+
 def block_hadamard(n: int, block: int) -> Rotation:
     """Normalized Hadamard blocks of order `block` along the diagonal (identity when block is 1)."""
     return Rotation((n // block, *_power_of_two_factors(block)))
@@ -270,61 +353,42 @@ class RotatedLayer:
     down: torch.Tensor  # [hidden, intermediate], expects its input rotated by down blocks
 
 
-def rotate_layer(config, layer, residual: Rotation, down_block_size: int) -> RotatedLayer:
-    """One layer's weights in the rotated basis (float32), norms folded into the products that
-    follow them. `layer` is a kvserve.model.llama.LayerWeights."""
+def rotate_layer(
+    config,
+    qkv: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    o: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    attn_norm: torch.Tensor,
+    mlp_norm: torch.Tensor,
+    residual: Rotation,
+    down_block_size: int,
+    *,
+    writes_residual: bool = True,
+) -> RotatedLayer:
+    """One layer's weights (fused q|k|v and gate|up, HF layout) in the rotated basis (float32),
+    norms folded into the products that follow them. Without `writes_residual` (post-norm
+    families), o_proj and down_proj keep writing the model's basis: their output is normed
+    before it is rotated into the residual (Int8Format.add_normed)."""
     head_dim, q_size, kv_size = config.head_dim, config.q_size, config.kv_size
     intermediate = config.intermediate_size
     head_block = head_dim if head_dim & (head_dim - 1) == 0 else 1
     per_head = block_hadamard(kv_size, head_block)
     split = q_size + kv_size
-    qkv = layer.qkv.float() * layer.attn_norm[None, :]
+    qkv = qkv.float() * attn_norm[None, :]
     # values v W_v^T become v W_v^T H: rotate the v rows of each head
     values = per_head.left_transposed(qkv[split:])
     qkv = residual.right(torch.cat([qkv[:split], values]))
     bias = None
-    if layer.qkv_bias is not None:
-        bias = layer.qkv_bias.float().clone()
+    if qkv_bias is not None:
+        bias = qkv_bias.float().clone()
         bias[split:] = per_head.right(bias[None, split:])[0]
     # o_proj's columns undo each query head's rotation (H is symmetric, H H = I)
-    o_weight = block_hadamard(q_size, head_block).right(layer.o.float())
-    o_weight = residual.left_transposed(o_weight)
-    gate_up = residual.right(layer.gate_up.float() * layer.mlp_norm[None, :])
-    down = block_hadamard(intermediate, down_block_size).right(layer.down.float())
-    down = residual.left_transposed(down)
+    o_weight = block_hadamard(q_size, head_block).right(o.float())
+    gate_up = residual.right(gate_up.float() * mlp_norm[None, :])
+    down = block_hadamard(intermediate, down_block_size).right(down.float())
+    if writes_residual:
+        o_weight = residual.left_transposed(o_weight)
+        down = residual.left_transposed(down)
     return RotatedLayer(qkv, bias, o_weight, gate_up, down)
-
-
-def quantize_model(config, layers: list, norm: torch.Tensor, lm_head: torch.Tensor) -> Int8Weights:
-    """Rotate and quantize a Llama-family model's layers and lm_head (see the module docstring).
-
-    `layers` are kvserve.model.llama.LayerWeights (fused q|k|v and gate|up, HF layout). The
-    embeddings are left as they are (the forward pass rotates the embedded rows, x @ rotation),
-    and so is the float lm_head, which recomputes each row's best candidates exactly from the
-    rows turned back (x @ rotation.T)."""
-    residual = residual_rotation(config.hidden_size)
-    block = down_block(config.intermediate_size)
-    quantized = []
-    for layer in layers:
-        rotated = rotate_layer(config, layer, residual, block)
-        quantized.append(
-            Int8Layer(
-                qkv=Int8Weight.quantize(rotated.qkv, rotated.qkv_bias),
-                o=Int8Weight.quantize(rotated.o),
-                gate_up=Int8Weight.quantize(rotated.gate_up),
-                down=Int8Weight.quantize(rotated.down),
-            )
-        )
-    head = Int8Weight.quantize(residual.right(lm_head.float() * norm[None, :]))
-    rotation = residual.matrix().contiguous()
-    weights = Int8Weights(quantized, rotation, rotation.t().contiguous(), block, head)
-    weights.native_layers = _native_table(quantized)
-    return weights
-
-
-def _native_table(layers: list[Int8Layer]) -> object:
-    """The C driver's description of the layers when every weight is packed, else None."""
-    packed = [w for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    if all(w.panels is not None for w in packed):
-        return native.int8_layer_table(layers)
-    return None

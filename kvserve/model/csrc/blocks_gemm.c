@@ -1,0 +1,1067 @@
+/*
+ * Products with weights kept in GGUF's block formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of
+ * 32 inputs with a float16 scale, and an offset for _1) and the K-quants Q4_K, Q5_K, Q6_K (super-
+ * blocks of 256 with a float16 scale and small integer scales per sub-block). The weights stay in
+ * their bits; the kernel unpacks them in registers. Prototypes and layouts: blocks.h.
+ *
+ * Every format reads as w = D_g * u - M_g over a sub-block g of one output column: u an
+ * unsigned integer of 4, 5, 6 or 8 bits (Q8_0: a signed byte), D_g and M_g floats of the block
+ * (Q4_0: d and 8 d; Q4_K: d * sc_g and dmin * m_g; Q6_K: d * sc_g and 32 d * sc_g over 16
+ * values). Activations come in blocks of 32 values a = e * p, p an integer in -127..127, with
+ * the integer sums P of p over each 16. For one row, one column and one block of 32,
+ *
+ *   sum_j w_j a_j = e * (D * S - M * P),   S = sum_j u_j p_j   (an exact int32)
+ *
+ * The integer sums are exact, whatever instruction computes them; the float work after them is
+ * one fixed sequence per output (cvt, mul, fma in the order of the blocks), done lane by lane.
+ * So a row's result never depends on the other rows of the call, on the thread count, or on the
+ * instruction set: the AVX2 and the AVX512-VNNI paths below run the same code over vectors of 8
+ * or 16 columns and give the same float32 results, bit for bit.
+ *
+ * Why 8-bit activations per block of 32 (llama.cpp's Q8_0): measured on Qwen2.5-Coder-0.5B's
+ * Q4_K_M file (2,000 tokens of the quality text against the float32 model of the dequantized
+ * blocks, kvserve/bench/blocks_bench.py --quality): every layer's products through these
+ * kernels, perplexity -0.08% and 98.9% of next tokens equal (12 bits: +0.00%, 99.95%);
+ * emulated in float, blocks of 32 -0.07% and 98.75%, blocks of 256 (Q8_K) -0.06% and 98.55%.
+ * Eight bits cost one multiply per weight and input. On SmolLM2-135M's Q4_1 file 8 bits
+ * lose a near-tied greedy answer ("Paris"), as the q4 path found; the finer form (a 4-bit rest
+ * beside each int8, see quantize_blocks_row) keeps it, for a second multiply: 1.5x the time at
+ * 8-32 rows on AVX2 (2x for Q8_0), 1.1-1.3x at one row.
+ *
+ * The integer sums, per 32-bit lane (one output column, 4 consecutive inputs):
+ *   AVX2: vpmaddubsw (unsigned u times signed p, pairs summed into int16), then vpmaddwd by ones
+ *         into int32. vpmaddubsw saturates only past 32767; |p| <= 127 and u <= 63 keep a pair
+ *         within 2 * 63 * 127 = 16002, so the int16 pair sums of G consecutive 4-input steps
+ *         may be added before widening while G * 2 * umax * 127 <= 32767: G = 8 for 4 bits
+ *         (30480), 4 for 5 bits (31496), 2 for 6 bits (32004), 1 for Q8_0 (|w| <= 128 enters as
+ *         |w| with its sign moved onto p: 2 * 128 * 127 = 32512). No saturation can occur, so
+ *         the sums are the exact ones.
+ *   AVX512-VNNI (and AVX-VNNI): vpdpbusd, the same unsigned-by-signed products summed into
+ *         int32 without any intermediate rounding: the same exact sums.
+ * The layout is the same for every instruction set (panels of 16 columns). AVX512 takes a
+ * panel in one vector; AVX2 in two, side by side for tiles of 1-2 rows, or in two passes for
+ * tiles of 4 rows (whose sums fill its 16 registers).
+ * Tiles: up to 4 rows on AVX2, 8 on AVX512 (eight independent vpdpbusd chains hide its
+ * latency); each weight record is unpacked once per tile, so at 8-32 rows the unpacking is
+ * shared by 4-8 rows. Measured on the shared AVX2 machine (kvserve/bench/blocks_bench.py, the
+ * 1.5B's products of a decode step in Q4_K and Q6_K, 4 layers, against kvserve_int8_gemm on
+ * the same shapes): at 32 rows 1.0x (2 threads) to 1.4x (1 thread) int8's speed, at 8 rows
+ * 1.3-1.9x, at 1 row 2.6-2.8x (the blocks' fewer bytes).
+ *
+ * Packed layout, per panel of 16 output columns and per block (a record, contiguous):
+ *   nibbles [4][16][4] per 32 inputs: quarter h, column c, byte b: low nibble = u[8h + b] & 15,
+ *            high nibble = u[8h + 4 + b] & 15 (one 64-byte vector is 2 steps of 4 inputs of
+ *            16 columns, unpacked by a mask and a shift);
+ *   high bits (5-bit formats) [16][4] per 32: bit t of byte (c, b) = bit 4 of u[4t + b];
+ *   high pairs (Q6_K) [2][16][4] per 32: bits 2t, 2t+1 of byte (v, c, b) = bits 4, 5 of
+ *            u[16v + 4t + b];
+ *   bytes (Q8_0) [8][16][4]: byte (s, c, b) = w[4s + b];
+ *   then the block's floats and small scales per column (see `FORMATS` below for the
+ *   offsets): d [16] float16 (and m [16] for _1); K-quants: d, dmin [16] float16, sc, m
+ *   [8][16] uint8 (Q6_K: d [16], sc [16][16] int8).
+ * Records run over blocks, then panels: [panels][blocks][record bytes]. Each record is the
+ * file's bytes for 16 columns, rearranged: as many bytes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K)
+ * or 2-3% more (Q4_K, Q5_K: the 6-bit scales kept as bytes).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "blocks.h"
+#include "common.h"
+
+#define ALWAYS static inline __attribute__((always_inline))
+
+/* ---- formats -------------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t format, values, gguf_bytes, record;
+    int64_t high, d, dmin, sc, mn; /* offsets in a record (-1: absent) */
+} format_info;
+
+static const format_info FORMATS[] = {
+    {KVSERVE_BLOCKS_Q4_0, 32, 18, 288, -1, 256, -1, -1, -1},
+    {KVSERVE_BLOCKS_Q4_1, 32, 20, 320, -1, 256, 288, -1, -1}, /* dmin: m */
+    {KVSERVE_BLOCKS_Q5_0, 32, 22, 352, 256, 320, -1, -1, -1},
+    {KVSERVE_BLOCKS_Q5_1, 32, 24, 384, 256, 320, 352, -1, -1},
+    {KVSERVE_BLOCKS_Q8_0, 32, 34, 544, -1, 512, -1, -1, -1},
+    {KVSERVE_BLOCKS_Q4_K, 256, 144, 2368, -1, 2048, 2080, 2112, 2240},
+    {KVSERVE_BLOCKS_Q5_K, 256, 176, 2880, 2048, 2560, 2592, 2624, 2752},
+    {KVSERVE_BLOCKS_Q6_K, 256, 210, 3360, 2048, 3072, -1, 3104, -1},
+};
+#define NUM_FORMATS ((int)(sizeof FORMATS / sizeof FORMATS[0]))
+
+/* The index of `format` in FORMATS: a constant where `format` is one (the tile instances). */
+ALWAYS int format_slot(int64_t format) {
+    switch (format) {
+    case KVSERVE_BLOCKS_Q4_0: return 0;
+    case KVSERVE_BLOCKS_Q4_1: return 1;
+    case KVSERVE_BLOCKS_Q5_0: return 2;
+    case KVSERVE_BLOCKS_Q5_1: return 3;
+    case KVSERVE_BLOCKS_Q8_0: return 4;
+    case KVSERVE_BLOCKS_Q4_K: return 5;
+    case KVSERVE_BLOCKS_Q5_K: return 6;
+    case KVSERVE_BLOCKS_Q6_K: return 7;
+    default: return -1;
+    }
+}
+
+static const format_info *find_format(int64_t format) {
+    for (int i = 0; i < NUM_FORMATS; i++)
+        if (FORMATS[i].format == format) return &FORMATS[i];
+    return NULL;
+}
+
+int64_t kvserve_blocks_block_values(int64_t format) {
+    const format_info *f = find_format(format);
+    return f ? f->values : 0;
+}
+
+int64_t kvserve_blocks_gguf_bytes(int64_t format) {
+    const format_info *f = find_format(format);
+    return f ? f->gguf_bytes : 0;
+}
+
+int64_t kvserve_blocks_record_bytes(int64_t format) {
+    const format_info *f = find_format(format);
+    return f ? f->record : 0;
+}
+
+/* ---- packing -------------------------------------------------------------------------------- */
+
+#define PANEL KVSERVE_BLOCKS_PANEL
+
+static inline uint16_t load16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+static inline uint32_t load32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+static inline void store16(uint8_t *p, uint16_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+
+/* IEEE half to float, subnormals included (no F16C needed: packing runs anywhere). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f;
+    uint32_t mantissa = h & 0x3ffu, bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        int e = -1;
+        do {
+            e++;
+            mantissa <<= 1;
+        } while (!(mantissa & 0x400u));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* K-quants' 6-bit scale and min of sub-block j from their 12 packed bytes (ggml's layout). */
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+/*
+ * Packing works on 8 bytes at a time (x86 is little-endian: byte i of a word is value i): a
+ * word of 8 integers is masked, shifted and merged at once. Measured on the AVX2 machine, one
+ * thread, the 1.5B's gate|up (Q4_K) and down (Q6_K) weights: 0.28 and 0.41 GB/s of blocks value
+ * by value, 0.77 and 1.32 GB/s this way (the first touch of the new packed pages included);
+ * every layer weight of Qwen2.5-Coder-0.5B's Q4_K_M file (247 MB, mostly Q5_0) in 0.34 s, each
+ * format's loop compiled on its own (0.63 s through one loop that asks the format per block).
+ */
+static inline uint64_t word(const uint8_t *p) {
+    uint64_t w;
+    memcpy(&w, p, 8);
+    return w;
+}
+
+static inline void put_word(uint8_t *p, uint64_t w) { memcpy(p, &w, 8); }
+
+static inline uint32_t word32(const uint8_t *p) {
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return w;
+}
+
+static inline void put_word32(uint8_t *p, uint32_t w) { memcpy(p, &w, 4); }
+
+#define BYTES_OF(c) (0x0101010101010101ull * (uint8_t)(c))
+
+/* u[0..n) = (src[i] >> shift) & 15 for n a multiple of 8 */
+static inline void nibbles_of(const uint8_t *src, int shift, int n, uint8_t *u) {
+    for (int i = 0; i < n; i += 8) put_word(u + i, (word(src + i) >> shift) & BYTES_OF(0x0F));
+}
+
+/* u[0..n) |= ((src[i] >> shift) & mask) << 4 */
+static inline void high_of(const uint8_t *src, int shift, uint8_t mask, int n, uint8_t *u) {
+    for (int i = 0; i < n; i += 8)
+        put_word(u + i, word(u + i) | (((word(src + i) >> shift) & BYTES_OF(mask)) << 4));
+}
+
+/* the 8 bits of `bits` as 8 bytes 0 / 1 (bit i in byte i) */
+static inline uint64_t spread_bits(uint8_t bits) {
+    uint64_t x = bits;
+    x = (x | (x << 28)) & 0x0000000F0000000Full;
+    x = (x | (x << 14)) & 0x0003000300030003ull;
+    return (x | (x << 7)) & 0x0101010101010101ull;
+}
+
+/* One GGUF block of one column: its integers u[values] and its float16 fields (bit patterns). */
+typedef struct {
+    uint8_t u[256];
+    uint16_t d, dmin; /* dmin: m for Q4_1 / Q5_1 */
+    uint8_t sc[16], mn[8];
+} column_block;
+
+ALWAYS void read_block(const int64_t format, const uint8_t *b, column_block *out) {
+    switch (format) {
+    case KVSERVE_BLOCKS_Q4_0:
+    case KVSERVE_BLOCKS_Q4_1:
+    case KVSERVE_BLOCKS_Q5_0:
+    case KVSERVE_BLOCKS_Q5_1: {
+        /* values j < 16: low nibbles of qs[j]; j >= 16: high nibbles of qs[j - 16]; the 5-bit
+         * formats' bit 4 of value j is bit j of qh */
+        const int asym = format == KVSERVE_BLOCKS_Q4_1 || format == KVSERVE_BLOCKS_Q5_1;
+        const int five = format == KVSERVE_BLOCKS_Q5_0 || format == KVSERVE_BLOCKS_Q5_1;
+        const uint8_t *qs = b + (asym ? 4 : 2) + (five ? 4 : 0);
+        out->d = load16(b);
+        out->dmin = asym ? load16(b + 2) : 0;
+        nibbles_of(qs, 0, 16, out->u);
+        nibbles_of(qs, 4, 16, out->u + 16);
+        if (five) {
+            const uint8_t *qh = b + (asym ? 4 : 2);
+            for (int i = 0; i < 4; i++)
+                put_word(out->u + 8 * i, word(out->u + 8 * i) | (spread_bits(qh[i]) << 4));
+        }
+        break;
+    }
+    case KVSERVE_BLOCKS_Q8_0:
+        out->d = load16(b);
+        memcpy(out->u, b + 2, 32);
+        break;
+    case KVSERVE_BLOCKS_Q4_K:
+    case KVSERVE_BLOCKS_Q5_K: {
+        /* sub-block s: nibbles (s % 2) of qs[32 (s / 2) + l]; Q5_K's bit 4: bit s of qh[l] */
+        const int five = format == KVSERVE_BLOCKS_Q5_K;
+        const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+        out->d = load16(b);
+        out->dmin = load16(b + 2);
+        for (int j = 0; j < 8; j++) scale_min_k4(j, b + 4, &out->sc[j], &out->mn[j]);
+        for (int sub = 0; sub < 8; sub++) {
+            nibbles_of(qs + 32 * (sub / 2), 4 * (sub % 2), 32, out->u + 32 * sub);
+            if (five) high_of(qh, sub, 0x01, 32, out->u + 32 * sub);
+        }
+        break;
+    }
+    case KVSERVE_BLOCKS_Q6_K: {
+        /* value 128 a + 64 h + l: nibble h of ql[64 a + l]; value 128 a + 32 t + l: bits 4, 5
+         * from bits 2t, 2t + 1 of qh[32 a + l] */
+        const uint8_t *ql = b, *qh = b + 128;
+        for (int a = 0; a < 2; a++) {
+            uint8_t *u = out->u + 128 * a;
+            for (int h = 0; h < 2; h++) nibbles_of(ql + 64 * a, 4 * h, 64, u + 64 * h);
+            for (int t = 0; t < 4; t++) high_of(qh + 32 * a, 2 * t, 0x03, 32, u + 32 * t);
+        }
+        memcpy(out->sc, b + 192, 16);
+        out->d = load16(b + 208);
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+/* Writers of one column c of a record's parts, for 32 inputs u[0..31]. */
+static inline void put_nibbles(uint8_t *nib, int c, const uint8_t *u) {
+    for (int h = 0; h < 4; h++) { /* bytes b: u[8h + b] | u[8h + 4 + b] << 4 */
+        const uint64_t w = word(u + 8 * h) & BYTES_OF(0x0F);
+        put_word32(nib + (16 * h + c) * 4, (uint32_t)w | ((uint32_t)(w >> 32) << 4));
+    }
+}
+
+static inline void put_high_bits(uint8_t *high, int c, const uint8_t *u) {
+    uint32_t bits = 0; /* byte b, bit t: bit 4 of u[4t + b] */
+    for (int t = 0; t < 8; t++) bits |= ((word32(u + 4 * t) >> 4) & 0x01010101u) << t;
+    put_word32(high + 4 * c, bits);
+}
+
+static inline void put_high_pairs(uint8_t *high, int c, const uint8_t *u) {
+    for (int v = 0; v < 2; v++) { /* byte (v, b), bits 2t, 2t+1: bits 4, 5 of u[16v + 4t + b] */
+        uint32_t pairs = 0;
+        for (int t = 0; t < 4; t++)
+            pairs |= ((word32(u + 16 * v + 4 * t) >> 4) & 0x03030303u) << (2 * t);
+        put_word32(high + 64 * v + 4 * c, pairs);
+    }
+}
+
+static inline void put_bytes(uint8_t *q, int c, const uint8_t *u) {
+    for (int s = 0; s < 8; s++) memcpy(q + 64 * s + 4 * c, u + 4 * s, 4);
+}
+
+ALWAYS void write_column(const format_info *f, uint8_t *rec, int c, const column_block *cb) {
+    const int64_t subs = f->values / 32;
+    for (int64_t s = 0; s < subs; s++) {
+        const uint8_t *u = cb->u + 32 * s;
+        if (f->format == KVSERVE_BLOCKS_Q8_0) {
+            put_bytes(rec, c, u);
+            continue;
+        }
+        put_nibbles(rec + 256 * s, c, u);
+        if (f->format == KVSERVE_BLOCKS_Q6_K)
+            put_high_pairs(rec + f->high + 128 * s, c, u);
+        else if (f->high >= 0)
+            put_high_bits(rec + f->high + 64 * s, c, u);
+    }
+    store16(rec + f->d + 2 * c, cb->d);
+    if (f->dmin >= 0) store16(rec + f->dmin + 2 * c, cb->dmin);
+    if (f->format == KVSERVE_BLOCKS_Q6_K) {
+        for (int g = 0; g < 16; g++) rec[f->sc + 16 * g + c] = cb->sc[g];
+    } else if (f->sc >= 0) {
+        for (int g = 0; g < 8; g++) {
+            rec[f->sc + 16 * g + c] = cb->sc[g];
+            rec[f->mn + 16 * g + c] = cb->mn[g];
+        }
+    }
+}
+
+/* Panels [first, last) of a weight, for one format (a constant: each format's own code). */
+ALWAYS void pack_panels(const int64_t format, const uint8_t *raw, int64_t n, int64_t blocks,
+                        uint8_t *packed, int64_t first, int64_t last) {
+    const format_info *f = &FORMATS[format_slot(format)];
+    const int64_t row_bytes = blocks * f->gguf_bytes;
+    column_block cb;
+    for (int64_t p = first; p < last; p++) {
+        const int64_t columns = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+        for (int64_t g = 0; g < blocks; g++) {
+            uint8_t *rec = packed + (p * blocks + g) * f->record;
+            /* columns past n: zero scales, zero products */
+            if (columns < PANEL) memset(rec, 0, (size_t)f->record);
+            for (int c = 0; c < columns; c++) {
+                read_block(format, raw + (p * PANEL + c) * row_bytes + g * f->gguf_bytes, &cb);
+                write_column(f, rec, c, &cb);
+            }
+        }
+    }
+}
+
+#define DEFINE_PACK(NAME, FORMAT)                                                                  \
+    static void pack_##NAME(const uint8_t *raw, int64_t n, int64_t blocks, uint8_t *packed,       \
+                            int64_t first, int64_t last) {                                        \
+        pack_panels(FORMAT, raw, n, blocks, packed, first, last);                                 \
+    }
+
+DEFINE_PACK(q4_0, KVSERVE_BLOCKS_Q4_0)
+DEFINE_PACK(q4_1, KVSERVE_BLOCKS_Q4_1)
+DEFINE_PACK(q5_0, KVSERVE_BLOCKS_Q5_0)
+DEFINE_PACK(q5_1, KVSERVE_BLOCKS_Q5_1)
+DEFINE_PACK(q8_0, KVSERVE_BLOCKS_Q8_0)
+DEFINE_PACK(q4_k, KVSERVE_BLOCKS_Q4_K)
+DEFINE_PACK(q5_k, KVSERVE_BLOCKS_Q5_K)
+DEFINE_PACK(q6_k, KVSERVE_BLOCKS_Q6_K)
+
+int kvserve_blocks_pack(int64_t format, const uint8_t *raw, int64_t n, int64_t k, uint8_t *packed,
+                        int num_threads) {
+    const format_info *f = find_format(format);
+    if (!f || k <= 0 || k % f->values || n <= 0) return -1;
+    void (*pack)(const uint8_t *, int64_t, int64_t, uint8_t *, int64_t, int64_t) =
+        format == KVSERVE_BLOCKS_Q4_0   ? pack_q4_0
+        : format == KVSERVE_BLOCKS_Q4_1 ? pack_q4_1
+        : format == KVSERVE_BLOCKS_Q5_0 ? pack_q5_0
+        : format == KVSERVE_BLOCKS_Q5_1 ? pack_q5_1
+        : format == KVSERVE_BLOCKS_Q8_0 ? pack_q8_0
+        : format == KVSERVE_BLOCKS_Q4_K ? pack_q4_k
+        : format == KVSERVE_BLOCKS_Q5_K ? pack_q5_k
+                                        : pack_q6_k;
+    const int64_t blocks = k / f->values, panels = (n + PANEL - 1) / PANEL;
+    /* threads for 1 MB of records and more: below that their start costs more than it saves */
+    const int parallel = panels > 1 && panels * blocks * f->record >= (1 << 20);
+    const int64_t step = 8; /* panels a task */
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (parallel)")
+    for (int64_t p = 0; p < panels; p += step)
+        pack(raw, n, blocks, packed, p, p + step < panels ? p + step : panels);
+    return 0;
+}
+
+/* ---- unpacking (float32, ggml's arithmetic) ----------------------------------------------- */
+
+static inline int unpacked_u(const format_info *f, const uint8_t *rec, int c, int j) {
+    const int s = j / 32, i = j % 32;
+    if (f->format == KVSERVE_BLOCKS_Q8_0) return (int8_t)rec[64 * (i / 4) + 4 * c + i % 4];
+    const int h = i / 8, b = i % 4;
+    const uint8_t byte = rec[256 * s + (16 * h + c) * 4 + b];
+    int u = (i % 8) < 4 ? (byte & 15) : (byte >> 4);
+    if (f->format == KVSERVE_BLOCKS_Q6_K) {
+        const int step = i / 4, v = step / 4, t = step % 4;
+        u |= ((rec[f->high + 128 * s + 64 * v + 4 * c + b] >> (2 * t)) & 3) << 4;
+    } else if (f->high >= 0) {
+        u |= ((rec[f->high + 64 * s + 4 * c + b] >> (i / 4)) & 1) << 4;
+    }
+    return u;
+}
+
+int kvserve_blocks_unpack(int64_t format, const uint8_t *packed, int64_t n, int64_t k, float *out,
+                          int num_threads) {
+    const format_info *f = find_format(format);
+    if (!f || k <= 0 || k % f->values || n <= 0) return -1;
+    const int64_t blocks = k / f->values;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (n > 16)")
+    for (int64_t col = 0; col < n; col++) {
+        const int64_t p = col / PANEL;
+        const int c = (int)(col % PANEL);
+        for (int64_t g = 0; g < blocks; g++) {
+            const uint8_t *rec = packed + (p * blocks + g) * f->record;
+            float *o = out + col * k + g * f->values;
+            const float d = half_to_float(load16(rec + f->d + 2 * c));
+            const float m = f->dmin >= 0 ? half_to_float(load16(rec + f->dmin + 2 * c)) : 0.f;
+            for (int j = 0; j < f->values; j++) {
+                const int u = unpacked_u(f, rec, c, j);
+                switch (format) {
+                case KVSERVE_BLOCKS_Q4_0: o[j] = d * (float)(u - 8); break;
+                case KVSERVE_BLOCKS_Q5_0: o[j] = d * (float)(u - 16); break;
+                case KVSERVE_BLOCKS_Q8_0: o[j] = d * (float)u; break;
+                case KVSERVE_BLOCKS_Q4_1:
+                case KVSERVE_BLOCKS_Q5_1: o[j] = d * (float)u + m; break;
+                case KVSERVE_BLOCKS_Q6_K: {
+                    const float scale = d * (float)(int8_t)rec[f->sc + 16 * (j / 16) + c];
+                    o[j] = scale * (float)(u - 32);
+                    break;
+                }
+                default: { /* Q4_K, Q5_K */
+                    const float scale = d * (float)rec[f->sc + 16 * (j / 32) + c];
+                    const float low = m * (float)rec[f->mn + 16 * (j / 32) + c];
+                    o[j] = scale * (float)u - low;
+                    break;
+                }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- activations ---------------------------------------------------------------------------- */
+
+/*
+ * Blocks of 32 as llama.cpp's Q8_0, with a float32 scale: e = max|v| / 127 (a block of zeros:
+ * e = 0), p = round-to-nearest-even(v * 127 / max|v|) in -127..127, and the sum of p over each
+ * 16 values (Q6_K's sub-blocks; two of them make a block's).
+ *
+ * With `rest` (the finer form, 12 bits): also r = round((v - e p) * 16 / e) in -8..8, so that
+ * v ~= (e / 16) * (16 p + r) within e / 32; the scale stored is e / 16 and the sums are those
+ * of 16 p + r. The small model's near-tied greedy choices need it (SmolLM2-135M's "capital of
+ * France" answer turns to "L'Etoile..." with 8 bits and stays "Paris" with 12; the q4 path
+ * found the same); the product then pays a second multiply per weight and input.
+ */
+static inline void quantize_blocks_row(const float *v, int64_t k, int8_t *q, int8_t *rest,
+                                       float *scales, int32_t *sums) {
+    for (int64_t b = 0; b < k; b += 32) {
+        float top = 0.f;
+        _Pragma("omp simd reduction(max : top)") for (int64_t i = b; i < b + 32; i++) {
+            const float m = fabsf(v[i]);
+            top = m > top ? m : top;
+        }
+        const float inverse = top > 0.f ? 127.f / top : 0.f, e = top / 127.f;
+        int32_t half[2] = {0, 0};
+        for (int part = 0; part < 2; part++) {
+            int32_t total = 0;
+            const int64_t first = b + 16 * part;
+            if (rest) {
+                _Pragma("omp simd reduction(+ : total)") for (int64_t i = first; i < first + 16;
+                                                             i++) {
+                    const float p = nearbyintf(v[i] * inverse);
+                    float r = nearbyintf((v[i] - e * p) * inverse * 16.f);
+                    r = r > 8.f ? 8.f : (r < -8.f ? -8.f : r);
+                    q[i] = (int8_t)p;
+                    rest[i] = (int8_t)r;
+                    total += 16 * (int32_t)p + (int32_t)r;
+                }
+            } else {
+                _Pragma("omp simd reduction(+ : total)") for (int64_t i = first; i < first + 16;
+                                                             i++) {
+                    q[i] = (int8_t)nearbyintf(v[i] * inverse);
+                    total += q[i];
+                }
+            }
+            half[part] = total;
+        }
+        scales[b / 32] = rest ? e / 16.f : e;
+        sums[b / 16] = half[0];
+        sums[b / 16 + 1] = half[1];
+    }
+}
+
+#define DEFINE_QUANTIZE(NAME, T, LOAD)                                                             \
+    void NAME(const T *x, int64_t rows, int64_t k, int64_t row_stride, int8_t *q, int8_t *rest,   \
+              float *scales, int32_t *sums, int num_threads) {                                    \
+        _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")                        \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            float v[k];                                                                           \
+            const T *xr = x + r * row_stride;                                                     \
+            _Pragma("omp simd") for (int64_t i = 0; i < k; i++) v[i] = LOAD(xr[i]);               \
+            quantize_blocks_row(v, k, q + r * k, rest ? rest + r * k : NULL,                      \
+                                scales + r * (k / 32), sums + r * (k / 16));                      \
+        }                                                                                         \
+    }
+
+DEFINE_QUANTIZE(kvserve_blocks_quantize_f32, float, float_identity)
+DEFINE_QUANTIZE(kvserve_blocks_quantize_bf16, uint16_t, bf16_to_float)
+
+void kvserve_blocks_add_rmsnorm(float *x, const float *delta, const float *weight, int64_t rows,
+                                int64_t hidden, float eps, int8_t *q, int8_t *rest, float *scales,
+                                int32_t *sums, int num_threads) {
+    _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * hidden;
+        float sum = 0.f;
+        if (delta) {
+            const float *dr = delta + r * hidden;
+            _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < hidden; i++) {
+                xr[i] += dr[i];
+                sum += xr[i] * xr[i];
+            }
+        } else {
+            _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < hidden; i++) sum +=
+                xr[i] * xr[i];
+        }
+        if (!q) continue;
+        const float scale = 1.f / sqrtf(sum / (float)hidden + eps);
+        float v[hidden];
+        _Pragma("omp simd") for (int64_t i = 0; i < hidden; i++) v[i] = xr[i] * scale * weight[i];
+        quantize_blocks_row(v, hidden, q + r * hidden, rest ? rest + r * hidden : NULL,
+                            scales + r * (hidden / 32), sums + r * (hidden / 16));
+    }
+}
+
+void kvserve_blocks_silu_mul(const float *gate_up, int64_t rows, int64_t width, int8_t *q,
+                             int8_t *rest, float *scales, int32_t *sums, int num_threads) {
+    _Pragma("omp parallel for if (rows >= 8) num_threads(num_threads)")
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * width, *up = gate + width;
+        float v[width];
+        _Pragma("omp simd") for (int64_t i = 0; i < width; i++) v[i] =
+            gate[i] / (1.f + exp_approx(-gate[i])) * up[i];
+        quantize_blocks_row(v, width, q + r * width, rest ? rest + r * width : NULL,
+                            scales + r * (width / 32), sums + r * (width / 16));
+    }
+}
+
+/* ---- the product ---------------------------------------------------------------------------- */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define BLOCKS_ISA 3
+#define VW 16 /* columns per vector */
+#define MR 8  /* rows per tile: 8 independent vpdpbusd chains hide its latency */
+typedef __m512i vi;
+typedef __m512 vf;
+
+ALWAYS vi vi_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+ALWAYS vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
+ALWAYS vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+ALWAYS vi vi_bytes(int c) { return _mm512_set1_epi8((char)c); }
+ALWAYS vi vi_zero(void) { return _mm512_setzero_si512(); }
+ALWAYS vi vi_sll16(vi a, int n) { return _mm512_slli_epi16(a, (unsigned)n); }
+ALWAYS vi vi_srl16(vi a, int n) { return _mm512_srli_epi16(a, (unsigned)n); }
+ALWAYS vi vi_set32(int32_t v) { return _mm512_set1_epi32(v); }
+ALWAYS vi vi_add32(vi a, vi b) { return _mm512_add_epi32(a, b); }
+ALWAYS vi vi_sll32(vi a, int n) { return _mm512_slli_epi32(a, (unsigned)n); }
+ALWAYS vi vi_sub32(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+ALWAYS vi vi_abs8(vi a) { return _mm512_abs_epi8(a); }
+/* x where w >= 0, -x where w < 0 (vpsignb's zero for w == 0 is not needed: |w| is 0 there) */
+ALWAYS vi vi_sign8(vi x, vi w) {
+    return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+}
+/* partial sums of products: int32 lanes, the products of 4 bytes added exactly */
+typedef __m512i vsum;
+ALWAYS vsum vsum_zero(void) { return _mm512_setzero_si512(); }
+ALWAYS vsum vsum_step(vsum s, vi u, vi x) { return _mm512_dpbusd_epi32(s, u, x); }
+ALWAYS vi vi_add_sum(vi acc, vsum s) { return _mm512_add_epi32(acc, s); }
+ALWAYS vf vf_cvt(vi a) { return _mm512_cvtepi32_ps(a); }
+ALWAYS vf vf_zero(void) { return _mm512_setzero_ps(); }
+ALWAYS vf vf_set(float f) { return _mm512_set1_ps(f); }
+ALWAYS vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+ALWAYS vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+ALWAYS vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+ALWAYS vf vf_fnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+ALWAYS vf vf_half(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+ALWAYS vf vf_u8(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+ALWAYS vf vf_i8(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+ALWAYS vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+ALWAYS void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define VW 8
+#define MR 4
+typedef __m256i vi;
+typedef __m256 vf;
+
+ALWAYS vi vi_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+ALWAYS vi vi_and(vi a, vi b) { return _mm256_and_si256(a, b); }
+ALWAYS vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
+ALWAYS vi vi_bytes(int c) { return _mm256_set1_epi8((char)c); }
+ALWAYS vi vi_zero(void) { return _mm256_setzero_si256(); }
+ALWAYS vi vi_sll16(vi a, int n) { return _mm256_slli_epi16(a, n); }
+ALWAYS vi vi_srl16(vi a, int n) { return _mm256_srli_epi16(a, n); }
+ALWAYS vi vi_set32(int32_t v) { return _mm256_set1_epi32(v); }
+ALWAYS vi vi_add32(vi a, vi b) { return _mm256_add_epi32(a, b); }
+ALWAYS vi vi_sll32(vi a, int n) { return _mm256_slli_epi32(a, n); }
+ALWAYS vi vi_sub32(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+ALWAYS vi vi_abs8(vi a) { return _mm256_abs_epi8(a); }
+ALWAYS vi vi_sign8(vi x, vi w) { return _mm256_sign_epi8(x, w); }
+#if defined(__AVXVNNI__)
+#define BLOCKS_ISA 2
+typedef __m256i vsum;
+ALWAYS vsum vsum_zero(void) { return _mm256_setzero_si256(); }
+ALWAYS vsum vsum_step(vsum s, vi u, vi x) { return _mm256_dpbusd_avx_epi32(s, u, x); }
+ALWAYS vi vi_add_sum(vi acc, vsum s) { return _mm256_add_epi32(acc, s); }
+#else
+#define BLOCKS_ISA 1
+/* int16 lanes: pair sums of vpmaddubsw, added while the bound in the header comment holds */
+typedef __m256i vsum;
+ALWAYS vsum vsum_zero(void) { return _mm256_setzero_si256(); }
+ALWAYS vsum vsum_step(vsum s, vi u, vi x) {
+    return _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x));
+}
+ALWAYS vi vi_add_sum(vi acc, vsum s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+}
+#endif
+ALWAYS vf vf_cvt(vi a) { return _mm256_cvtepi32_ps(a); }
+ALWAYS vf vf_zero(void) { return _mm256_setzero_ps(); }
+ALWAYS vf vf_set(float f) { return _mm256_set1_ps(f); }
+ALWAYS vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+ALWAYS vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+ALWAYS vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+ALWAYS vf vf_fnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+ALWAYS vf vf_half(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+ALWAYS vf vf_u8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+ALWAYS vf vf_i8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+ALWAYS vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+ALWAYS void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
+
+#else
+#define BLOCKS_ISA 0
+#endif
+
+int kvserve_blocks_isa(void) { return BLOCKS_ISA; }
+
+#if BLOCKS_ISA
+
+ALWAYS vi vi_bcast4(const int8_t *p) {
+    int32_t four;
+    memcpy(&four, p, 4);
+#if BLOCKS_ISA == 3
+    return _mm512_set1_epi32(four);
+#else
+    return _mm256_set1_epi32(four);
+#endif
+}
+
+/* `v` as it is, in a register: the integer sums are associative, and without this the compiler
+ * regroups a tile's chains of additions into trees that hold every product at once (measured:
+ * about 20 of the 16 vector registers spilled per block for 4 rows on AVX2). */
+ALWAYS vi keep(vi v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
+
+/* The rows of a tile: row i's values at q + i * k (and their rests at r + i * k in the finer
+ * form, else r is NULL), its scales at e + i * (k / 32), its sums of 16 at s + i * (k / 16). */
+typedef struct {
+    const int8_t *q, *r;
+    const float *e;
+    const int32_t *s;
+    int64_t k;
+} tile_rows;
+
+/* Bit t of each byte of `high` moved to bit 4 (bits 2t', 2t'+1 to bits 4, 5 for pairs), the
+ * other bits left for the caller's mask. A 16-bit shift by at most 4 moves no bit onto bit 4
+ * (or 5) from the neighbouring byte. */
+ALWAYS vi to_bit4(vi high, int t) {
+    return t < 4 ? vi_sll16(high, 4 - t) : (t == 4 ? high : vi_srl16(high, t - 4));
+}
+
+/*
+ * Vectors of columns a tile covers: on AVX2 a tile of 1 or 2 rows takes the panel's 16 columns
+ * in one pass (2 vectors), so that each record is read once, as it streams from memory, and
+ * the activation broadcasts and scalar work are shared; a tile of 4 rows goes in two passes of
+ * 8 columns (its sums fill the registers). AVX512's one vector is the panel.
+ */
+#define NV_FOR(rows) (VW == 8 && (rows) <= 2 ? 2 : 1)
+#define LANES (4 * VW) /* bytes of one vector's columns in a 64-byte vector of the layout */
+
+/*
+ * acc[i][v] = sum over 16 * chunks inputs (32, or 16 for Q6_K's sub-blocks) of u * p for the
+ * MR_ rows of the tile and its NV vectors of columns. nib: the nibbles at the tile's first
+ * columns; high: the high bits (bits 1) or the one vector of high pairs of these 16 inputs
+ * (bits 2). group: 4-input steps whose int16 pair sums may be added before widening (AVX2, see
+ * above).
+ */
+ALWAYS void block_sums(const int MR_, const int NV, const int fine, const int bits,
+                       const int group, const int chunks, const uint8_t *nib, const uint8_t *high,
+                       const tile_rows *rows, int64_t offset, vi acc[][2]) {
+    const vi low4 = vi_bytes(0x0F);
+    const vi mask = vi_bytes(bits == 2 ? 0x30 : 0x10);
+    vi h0[2];
+    vsum sums[MR][2], rests[MR][2];
+    for (int v = 0; v < NV; v++) h0[v] = bits ? vi_load(high + LANES * v) : vi_zero();
+    for (int i = 0; i < MR_; i++)
+        for (int v = 0; v < NV; v++) {
+            acc[i][v] = vi_zero();
+            sums[i][v] = rests[i][v] = vsum_zero();
+        }
+    _Pragma("GCC unroll 4") for (int h = 0; h < chunks; h++) {
+        vi u0[2], u1[2];
+        _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+            const vi w = vi_load(nib + 64 * h + LANES * v);
+            u0[v] = vi_and(w, low4);
+            u1[v] = vi_and(vi_srl16(w, 4), low4);
+            if (bits == 1) { /* steps 2h, 2h + 1: bits 2h, 2h + 1 */
+                u0[v] = vi_or(u0[v], vi_and(to_bit4(h0[v], 2 * h), mask));
+                u1[v] = vi_or(u1[v], vi_and(to_bit4(h0[v], 2 * h + 1), mask));
+            } else if (bits == 2) { /* steps 2h, 2h + 1 of the 4: pairs 2h, 2h + 1 */
+                u0[v] = vi_or(u0[v], vi_and(to_bit4(h0[v], 2 * (2 * h)), mask));
+                u1[v] = vi_or(u1[v], vi_and(to_bit4(h0[v], 2 * (2 * h + 1)), mask));
+            }
+        }
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
+            const int8_t *p = rows->q + i * rows->k + offset + 8 * h;
+            const vi x0 = vi_bcast4(p), x1 = vi_bcast4(p + 4);
+            _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+                sums[i][v] = keep(vsum_step(sums[i][v], u0[v], x0));
+                sums[i][v] = keep(vsum_step(sums[i][v], u1[v], x1));
+            }
+            if (fine) { /* the rests, |r| <= 8: far inside the same bounds */
+                const int8_t *pr = rows->r + i * rows->k + offset + 8 * h;
+                const vi r0 = vi_bcast4(pr), r1 = vi_bcast4(pr + 4);
+                _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+                    rests[i][v] = keep(vsum_step(rests[i][v], u0[v], r0));
+                    rests[i][v] = keep(vsum_step(rests[i][v], u1[v], r1));
+                }
+            }
+        }
+        if ((2 * h + 2) % group == 0) {
+            _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++)
+                _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+                    if (fine) { /* sum of u (16 p + r), exact: |.| < 32 * 63 * 2040 */
+                        const vi coarse = vi_add_sum(vi_zero(), sums[i][v]);
+                        acc[i][v] = vi_add32(acc[i][v], vi_sll32(coarse, 4));
+                        acc[i][v] = keep(vi_add_sum(acc[i][v], rests[i][v]));
+                        rests[i][v] = vsum_zero();
+                    } else {
+                        acc[i][v] = keep(vi_add_sum(acc[i][v], sums[i][v]));
+                    }
+                    sums[i][v] = vsum_zero();
+                }
+        }
+    }
+}
+
+/* Q8_0: signed bytes; |w| is unpacked once, and the sign moves onto each row's bytes. */
+ALWAYS void block_sums8(const int MR_, const int NV, const int fine, const uint8_t *bytes,
+                        const tile_rows *rows, int64_t offset, vi acc[][2]) {
+    for (int i = 0; i < MR_; i++)
+        for (int v = 0; v < NV; v++) acc[i][v] = vi_zero();
+    _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
+        vi w[2], u[2];
+        for (int v = 0; v < NV; v++) {
+            w[v] = vi_load(bytes + 64 * s + LANES * v);
+            u[v] = vi_abs8(w[v]);
+        }
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
+            const vi x = vi_bcast4(rows->q + i * rows->k + offset + 4 * s);
+            _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+                vi part = vi_add_sum(vi_zero(), vsum_step(vsum_zero(), u[v], vi_sign8(x, w[v])));
+                if (fine) {
+                    const vi r = vi_bcast4(rows->r + i * rows->k + offset + 4 * s);
+                    part = vi_add_sum(vi_sll32(part, 4),
+                                      vsum_step(vsum_zero(), u[v], vi_sign8(r, w[v])));
+                }
+                acc[i][v] = keep(vi_add32(acc[i][v], part));
+            }
+        }
+    }
+}
+
+/* How far ahead (bytes) the record stream of a panel is prefetched (non-temporal: a record is
+ * read once). Measured on the AVX2 machine (one row, the 1.5B's products streamed from memory,
+ * 2 threads, best of 6 rounds): none 11.9 GB/s, 1.5 KB 14.1, 3 KB 13.6, with prefetcht0 1.5 KB
+ * 13.1, 3 KB 13.1, 6 KB 12.3, against 20.1 GB/s for sums over a buffer in the same rounds. */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1536
+#endif
+
+/*
+ * res[i][v] += the products of the panel's records [0, records) with the tile's rows, for the
+ * NV vectors of columns from byte offset `lane` of each 64-byte vector on. The float sequence
+ * per output is fixed: per block of 32 (Q6_K: 16) in order, res = fma(cvt(S'), D * e, res'),
+ * where S' is the exact integer sum (less z * P for Q4_0 / Q5_0 / Q6_K's offsets) and res' is
+ * res less the block's M * (e * P) for the formats with an offset per block.
+ */
+ALWAYS void tile_products(const int format, const int MR_, const int NV, const int fine,
+                          const uint8_t *panel, int64_t records, int64_t lane,
+                          const tile_rows *rows, vf res[][2]) {
+    const format_info *f = &FORMATS[format_slot(format)];
+    vi acc[MR][2];
+    for (int64_t r = 0; r < records; r++) {
+        const uint8_t *rec = panel + r * f->record;
+        if (lane == 0)
+            for (int64_t at = 0; at < f->record; at += 64)
+                __builtin_prefetch(rec + PREFETCH_AHEAD + at, 0, 0);
+        vf d[2];
+        /* offsets of this vector's columns in arrays of 16 float16 and of 16 bytes */
+#define HALFS(v) ((lane + LANES * (v)) / 2)
+#define BYTES(v) ((lane + LANES * (v)) / 4)
+        for (int v = 0; v < NV; v++) d[v] = vf_half(rec + f->d + HALFS(v));
+        if (f->values == 32) {
+            const int64_t block = r;
+            if (format == KVSERVE_BLOCKS_Q8_0) {
+                block_sums8(MR_, NV, fine, rec + lane, rows, 32 * block, acc);
+            } else {
+                const int bits = f->high >= 0 ? 1 : 0;
+                block_sums(MR_, NV, fine, bits, bits ? 4 : 8, 4, rec + lane, rec + f->high + lane,
+                           rows, 32 * block, acc);
+            }
+            vf m[2] = {vf_zero(), vf_zero()};
+            if (f->dmin >= 0)
+                for (int v = 0; v < NV; v++) m[v] = vf_half(rec + f->dmin + HALFS(v));
+            const int32_t z =
+                format == KVSERVE_BLOCKS_Q4_0 ? 8 : (format == KVSERVE_BLOCKS_Q5_0 ? 16 : 0);
+            _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
+                const float e = rows->e[i * (rows->k / 32) + block];
+                const int32_t *s = rows->s + i * (rows->k / 16) + 2 * block;
+                const int32_t sum = s[0] + s[1];
+                const vf ev = vf_set(e), ep = vf_set(e * (float)sum);
+                const vi zp = vi_set32(z * sum);
+                _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+                    vi total = acc[i][v];
+                    vf base = res[i][v];
+                    if (z) total = vi_sub32(total, zp);
+                    if (f->dmin >= 0) base = vf_fma(m[v], ep, base);
+                    res[i][v] = vf_fma(vf_cvt(total), vf_mul(d[v], ev), base);
+                }
+            }
+        } else if (format == KVSERVE_BLOCKS_Q6_K) {
+            /* sub-blocks of 16, each finished (float update) before the next: one sum a row */
+            _Pragma("GCC unroll 1") for (int j = 0; j < 16; j++) {
+                const int64_t block = 8 * r + j / 2;
+                block_sums(MR_, NV, fine, 2, 2, 2, rec + 256 * (j / 2) + 128 * (j % 2) + lane,
+                           rec + f->high + 64 * j + lane, rows, 16 * (16 * r + j), acc);
+                vf scale[2];
+                for (int v = 0; v < NV; v++)
+                    scale[v] = vf_mul(d[v], vf_i8(rec + f->sc + 16 * j + BYTES(v)));
+                _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
+                    const float e = rows->e[i * (rows->k / 32) + block];
+                    const int32_t sum = rows->s[i * (rows->k / 16) + 16 * r + j];
+                    const vf ev = vf_set(e);
+                    const vi zp = vi_set32(32 * sum);
+                    _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+                        const vi total = vi_sub32(acc[i][v], zp);
+                        res[i][v] = vf_fma(vf_cvt(total), vf_mul(scale[v], ev), res[i][v]);
+                    }
+                }
+            }
+        } else { /* Q4_K, Q5_K */
+            vf dmin[2];
+            for (int v = 0; v < NV; v++) dmin[v] = vf_half(rec + f->dmin + HALFS(v));
+            const int bits = f->high >= 0 ? 1 : 0;
+            _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
+                const int64_t block = 8 * r + j;
+                block_sums(MR_, NV, fine, bits, bits ? 4 : 8, 4, rec + 256 * j + lane,
+                           rec + f->high + 64 * j + lane, rows, 32 * block, acc);
+                vf scale[2], low[2];
+                for (int v = 0; v < NV; v++) {
+                    scale[v] = vf_mul(d[v], vf_u8(rec + f->sc + 16 * j + BYTES(v)));
+                    low[v] = vf_mul(dmin[v], vf_u8(rec + f->mn + 16 * j + BYTES(v)));
+                }
+                _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
+                    const float e = rows->e[i * (rows->k / 32) + block];
+                    const int32_t *s = rows->s + i * (rows->k / 16) + 2 * block;
+                    const vf ev = vf_set(e), ep = vf_set(e * (float)(s[0] + s[1]));
+                    _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+                        const vf base = vf_fnma(low[v], ep, res[i][v]);
+                        res[i][v] = vf_fma(vf_cvt(acc[i][v]), vf_mul(scale[v], ev), base);
+                    }
+                }
+            }
+        }
+#undef HALFS
+#undef BYTES
+    }
+}
+
+/* One pass of a tile: the products, the bias, and the store of `cols` (<= NV * VW) columns. */
+ALWAYS void tile_pass(const int format, const int MR_, const uint8_t *panel, int64_t records,
+                      int64_t lane, const tile_rows *rows, const float *bias, float *out,
+                      int64_t ldc, int64_t cols) {
+    const int NV = NV_FOR(MR_);
+    vf res[MR][2];
+    for (int i = 0; i < MR_; i++)
+        for (int v = 0; v < NV; v++) res[i][v] = vf_zero();
+    if (rows->r) /* each form its own code */
+        tile_products(format, MR_, NV, 1, panel, records, lane, rows, res);
+    else
+        tile_products(format, MR_, NV, 0, panel, records, lane, rows, res);
+    float tail[VW];
+    for (int v = 0; v < NV && v * VW < cols; v++) {
+        const int64_t width = cols - v * VW < VW ? cols - v * VW : VW;
+        vf b = vf_zero();
+        if (bias) {
+            memset(tail, 0, sizeof tail);
+            memcpy(tail, bias + v * VW, (size_t)width * sizeof(float));
+            b = vf_load(tail);
+        }
+        for (int i = 0; i < MR_; i++) {
+            const vf value = bias ? vf_add(res[i][v], b) : res[i][v];
+            float *o = out + i * ldc + v * VW;
+            if (width == VW) {
+                vf_store(o, value);
+            } else {
+                vf_store(tail, value);
+                memcpy(o, tail, (size_t)width * sizeof(float));
+            }
+        }
+    }
+}
+
+typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const tile_rows *, const float *,
+                        float *, int64_t, int64_t);
+
+#define DEFINE_TILE(NAME, FORMAT, ROWS)                                                            \
+    static void tile_##NAME##_##ROWS(const uint8_t *panel, int64_t records, int64_t lane,         \
+                                     const tile_rows *rows, const float *bias, float *out,        \
+                                     int64_t ldc, int64_t cols) {                                 \
+        tile_pass(FORMAT, ROWS, panel, records, lane, rows, bias, out, ldc, cols);                \
+    }
+
+/* Tiles of 1, 2, 4 (and 8) rows; other counts go as sums of these (7 = 4 + 2 + 1): a row's
+ * result is the same in any tile, and half the instances compile in half the time. */
+#if MR == 8
+#define DEFINE_TILES(NAME, FORMAT)                                                                 \
+    DEFINE_TILE(NAME, FORMAT, 1)                                                                   \
+    DEFINE_TILE(NAME, FORMAT, 2)                                                                   \
+    DEFINE_TILE(NAME, FORMAT, 4)                                                                   \
+    DEFINE_TILE(NAME, FORMAT, 8)                                                                   \
+    static const tile_fn tiles_##NAME[MR + 1] = {NULL, tile_##NAME##_1, tile_##NAME##_2, NULL,     \
+                                                 tile_##NAME##_4, NULL, NULL, NULL,               \
+                                                 tile_##NAME##_8};
+#else
+#define DEFINE_TILES(NAME, FORMAT)                                                                 \
+    DEFINE_TILE(NAME, FORMAT, 1)                                                                   \
+    DEFINE_TILE(NAME, FORMAT, 2)                                                                   \
+    DEFINE_TILE(NAME, FORMAT, 4)                                                                   \
+    static const tile_fn tiles_##NAME[MR + 1] = {NULL, tile_##NAME##_1, tile_##NAME##_2, NULL,     \
+                                                 tile_##NAME##_4};
+#endif
+
+DEFINE_TILES(q4_0, KVSERVE_BLOCKS_Q4_0)
+DEFINE_TILES(q4_1, KVSERVE_BLOCKS_Q4_1)
+DEFINE_TILES(q5_0, KVSERVE_BLOCKS_Q5_0)
+DEFINE_TILES(q5_1, KVSERVE_BLOCKS_Q5_1)
+DEFINE_TILES(q8_0, KVSERVE_BLOCKS_Q8_0)
+DEFINE_TILES(q4_k, KVSERVE_BLOCKS_Q4_K)
+DEFINE_TILES(q5_k, KVSERVE_BLOCKS_Q5_K)
+DEFINE_TILES(q6_k, KVSERVE_BLOCKS_Q6_K)
+
+static const tile_fn *tiles_of(int64_t format) {
+    switch (format) {
+    case KVSERVE_BLOCKS_Q4_0: return tiles_q4_0;
+    case KVSERVE_BLOCKS_Q4_1: return tiles_q4_1;
+    case KVSERVE_BLOCKS_Q5_0: return tiles_q5_0;
+    case KVSERVE_BLOCKS_Q5_1: return tiles_q5_1;
+    case KVSERVE_BLOCKS_Q8_0: return tiles_q8_0;
+    case KVSERVE_BLOCKS_Q4_K: return tiles_q4_k;
+    case KVSERVE_BLOCKS_Q5_K: return tiles_q5_k;
+    case KVSERVE_BLOCKS_Q6_K: return tiles_q6_k;
+    default: return NULL;
+    }
+}
+
+int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales,
+                        const int32_t *sums, int64_t rows, int64_t k,
+                        const kvserve_blocks_weight *parts, int64_t num_parts, float *out,
+                        int64_t ldc, int num_threads) {
+    if (num_parts <= 0 || k <= 0 || k % 32) return -1;
+    int64_t first_panel[num_parts + 1], first_column[num_parts + 1];
+    first_panel[0] = first_column[0] = 0;
+    for (int64_t p = 0; p < num_parts; p++) {
+        const format_info *f = find_format(parts[p].format);
+        if (!f || k % f->values || parts[p].n <= 0) return -1;
+        first_panel[p + 1] = first_panel[p] + (parts[p].n + PANEL - 1) / PANEL;
+        first_column[p + 1] = first_column[p] + parts[p].n;
+    }
+    if (rows <= 0) return 0;
+    const int64_t panels = first_panel[num_parts];
+    /* Tasks are (panel, row chunk): with few panels for the threads the rows are cut as well
+     * (in whole tiles), so that every thread gets work. */
+    const int64_t chunk = panels < 4 * num_threads && rows >= 2 * MR
+                              ? ((rows + 1) / 2 + MR - 1) / MR * MR
+                              : rows;
+    const int64_t chunks = (rows + chunk - 1) / chunk;
+    const int parallel = panels * chunks > 1 && rows * first_column[num_parts] * k >= (1 << 17);
+    _Pragma("omp parallel for schedule(static) if (parallel) num_threads(num_threads)")
+    for (int64_t task = 0; task < panels * chunks; task++) {
+        const int64_t panel = task / chunks, start = (task % chunks) * chunk;
+        const int64_t stop = start + chunk < rows ? start + chunk : rows;
+        int64_t p = 0;
+        while (first_panel[p + 1] <= panel) p++;
+        const kvserve_blocks_weight *w = &parts[p];
+        const format_info *f = find_format(w->format);
+        const tile_fn *tiles = tiles_of(w->format);
+        const int64_t local = panel - first_panel[p], records = k / f->values;
+        const uint8_t *data = w->packed + local * records * f->record;
+        const int64_t column = local * PANEL, cols = w->n - column < PANEL ? w->n - column : PANEL;
+        for (int64_t r = start, count; r < stop; r += count) {
+            count = MR; /* the largest tile that fits the rows left */
+            while (count > stop - r) count /= 2;
+            const int64_t span = NV_FOR(count) * VW; /* columns of one pass */
+            const tile_rows tile = {q + r * k, rest ? rest + r * k : NULL, scales + r * (k / 32),
+                                    sums + r * (k / 16), k};
+            for (int64_t at = 0; at < cols; at += span) {
+                const int64_t width = cols - at < span ? cols - at : span;
+                float *o = out + r * ldc + first_column[p] + column + at;
+                tiles[count](data, records, 4 * at, &tile, w->bias ? w->bias + column + at : NULL,
+                             o, ldc, width);
+            }
+        }
+    }
+    return 0;
+}
+
+#else
+
+int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales,
+                        const int32_t *sums, int64_t rows, int64_t k,
+                        const kvserve_blocks_weight *parts, int64_t num_parts, float *out,
+                        int64_t ldc, int num_threads) {
+    (void)q, (void)rest, (void)scales, (void)sums, (void)rows, (void)k, (void)parts,
+        (void)num_parts, (void)out, (void)ldc, (void)num_threads;
+    return -2;
+}
+
+#endif

@@ -1,0 +1,155 @@
+"""The GGUF block path (`--quantization gguf`, auto for K-quant files): a real Q4_K_M file
+(qwen2.5-coder:0.5b) kept in its blocks follows the float32 model of the same dequantized
+weights, answers sensibly, holds about the file's bytes, caches its prepared blocks, and a row's
+result never depends on its batch mates; the default model's Q4_1 file runs the same path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.bench.quality import quality_text, score_tokens
+from kvserve.config import DeviceConfig
+from kvserve.model.gguf import GGUFCheckpoint
+from kvserve.model.kernels import load_kernels
+from kvserve.model.kv_cache import KVCache
+from kvserve.model.loader import load_model
+from tests.model.helpers import Chunk, greedy_continuation
+
+pytestmark = pytest.mark.skipif(
+    not load_kernels().blocks_isa, reason="the block product needs the C kernels and AVX2"
+)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def qwen05_gguf(qwen05_path, tmp_path_factory):
+    """qwen2.5-coder:0.5b as `auto` loads it: its blocks kept."""
+    cache = tmp_path_factory.mktemp("prepared")
+    return load_model(str(qwen05_path), DeviceConfig(device="cpu", weight_cache_dir=str(cache)))
+
+
+def test_auto_keeps_a_k_quant_file_in_its_blocks(qwen05_gguf):
+    assert qwen05_gguf.model.quantization == "gguf"
+    assert qwen05_gguf.quantization_reason.startswith("auto: the file's blocks kept (")
+    assert "Q4_K" in qwen05_gguf.quantization_reason
+    assert "+ gguf" in qwen05_gguf.summary()
+
+
+def test_the_blocks_follow_the_float32_model_of_the_same_weights(qwen05_gguf, qwen05_fp32):
+    """On held-out English text (the quality bench's): perplexity within 1% of the float32
+    model of the dequantized file, the same next token at >= 95% of positions."""
+    ids = qwen05_fp32.tokenizer.encode(quality_text())[:1024]
+    exact = score_tokens(qwen05_fp32.model, ids)
+    got = score_tokens(qwen05_gguf.model, ids)
+    assert abs(got.perplexity / exact.perplexity - 1) < 0.01, (got.perplexity, exact.perplexity)
+    assert got.agreement(exact) >= 0.95, got.agreement(exact)
+
+
+@pytest.mark.parametrize(
+    ("question", "answer"),
+    [("What is the capital of France?", "Paris"), ("What is 2+2?", "4")],
+)
+def test_chat_answers_are_sensible(qwen05_gguf, question, answer):
+    tokenizer = qwen05_gguf.tokenizer
+    ids = tokenizer.encode_chat([{"role": "user", "content": question}])
+    text = tokenizer.decode(greedy_continuation(qwen05_gguf.model, ids, 16))
+    assert answer in text, text
+
+
+def test_the_weights_in_memory_are_the_files(qwen05_gguf, qwen05_path):
+    """Layers and head packed at about the file's bytes, the embedding table left in the file:
+    no dequantized copy of anything but the norms and biases."""
+    checkpoint = GGUFCheckpoint(qwen05_path)
+    file_bytes = sum(t.nbytes for t in checkpoint.header.tensors)
+    assert qwen05_gguf.model.num_bytes <= 1.1 * file_bytes
+    assert qwen05_gguf.model.lm_head is None
+
+
+def test_the_prepared_blocks_are_cached_and_mapped(qwen05_path, tmp_path):
+    """First start packs and writes; the next maps the file: identical logits."""
+    options = DeviceConfig(device="cpu", weight_cache_dir=str(tmp_path), quantization="gguf")
+    first = load_model(str(qwen05_path), options)
+    second = load_model(str(qwen05_path), options)
+    assert (first.weight_cache, second.weight_cache) == ("written", "hit")
+    (cached,) = tmp_path.glob("*.safetensors")
+    with open("/proc/self/maps") as maps:
+        assert str(cached) in maps.read()
+    ids = first.tokenizer.encode("def square(x):\n    return")
+    assert torch.equal(_prompt_logits(first.model, ids), _prompt_logits(second.model, ids))
+
+
+def _prompt_logits(model, ids: list[int]) -> torch.Tensor:
+    blocks = list(range(-(-len(ids) // 32)))
+    cache = KVCache(model.config, len(blocks), 32, model.dtype, CPU)
+    meta = model.attention.build_metadata([Chunk(0, len(ids), blocks, True)], 32)
+    meta.logits_indices = torch.arange(len(ids))
+    return model.forward(torch.tensor(ids), meta, cache)
+
+
+def test_a_row_does_not_depend_on_its_batch_mates(qwen05_gguf):
+    """A sequence's decode logits are the same, bit for bit, alone and beside other rows (the
+    block product, attention and the head's exact recompute each work a row alone)."""
+    model, tokenizer = qwen05_gguf.model, qwen05_gguf.tokenizer
+    a = tokenizer.encode(quality_text())[:70]
+    b = tokenizer.encode(quality_text())[200:240]
+    cache = KVCache(model.config, 6, 32, model.dtype, CPU)
+    prefill = model.attention.build_metadata(
+        [Chunk(0, 69, [2, 0, 1], False), Chunk(0, 39, [3, 4], False)], 32
+    )
+    model.forward(torch.tensor(a[:69] + b[:39]), prefill, cache)
+    meta = model.attention.build_metadata([Chunk(69, 1, [2, 0, 1], True)], 32)
+    alone = model.forward(torch.tensor(a[69:70]), meta, cache)
+    rows = [Chunk(39, 1, [3, 4], True), Chunk(69, 1, [2, 0, 1], True)]
+    meta = model.attention.build_metadata(rows, 32)
+    together = model.forward(torch.tensor([b[39], a[69]]), meta, cache)
+    assert torch.equal(alone[0], together[1])
+
+
+def test_the_default_models_q4_1_file_on_its_blocks_answers_as_float32(tmp_path):
+    """The 576-wide default model takes 12-bit activation blocks (8 bits turn its near tie
+    "Paris" into another answer): the fidelity answer of the float32 model."""
+    loaded = load_model(
+        None, DeviceConfig(device="cpu", quantization="gguf", weight_cache_dir=str(tmp_path))
+    )
+    assert loaded.model.quantization == "gguf"
+    assert loaded.model.layers[0].qkv.input.fine
+    tokenizer = loaded.tokenizer
+    ids = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in tokenizer.decode(greedy_continuation(loaded.model, ids, 12))
+
+
+def test_gguf_asked_for_where_it_cannot_run_is_refused_with_the_reason(tmp_path, kernels):
+    from kvserve.model.linear import blocks
+    from kvserve.model.loader import choose_quantization
+    from kvserve.model.safetensors import SafetensorsCheckpoint
+    from tests.model.test_safetensors import save_tiny, tiny_config
+
+    save_tiny(tmp_path, tiny_config("llama", head_dim=64, hidden_size=128))
+    checkpoint = SafetensorsCheckpoint(tmp_path)
+    why = blocks.unsupported(checkpoint, checkpoint.config, kernels)
+    assert why == "the checkpoint is not a GGUF file"
+    with pytest.raises(ValueError, match="--quantization gguf cannot run this model here: the"):
+        choose_quantization(
+            "gguf", ["F32"], checkpoint.config, CPU, torch.float32, gguf_unsupported=why
+        )
+
+
+def test_layers_in_one_c_call_match_the_python_loop(qwen05_gguf):
+    """The block driver (csrc/forward_blocks.c) runs the layer loop's kernels in its order:
+    identical logits and cache, for a prefill and a decode row."""
+    model = qwen05_gguf.model
+    assert model.driver is not None and model.driver.name == "blocks"
+    ids = qwen05_gguf.tokenizer.encode(quality_text())[:70]
+    results = []
+    for twin in (model, model.with_driver(False)):
+        assert (twin.driver is None) == (twin is not model)
+        cache = KVCache(model.config, 4, 32, model.dtype, CPU)
+        meta = twin.attention.build_metadata([Chunk(0, 69, [2, 0, 3], True)], 32)
+        prefill = twin.forward(torch.tensor(ids[:69]), meta, cache)
+        meta = twin.attention.build_metadata([Chunk(69, 1, [2, 0, 3], True)], 32)
+        decode = twin.forward(torch.tensor(ids[69:70]), meta, cache)
+        results.append((prefill, decode, cache.kv.clone()))
+    (p1, d1, kv1), (p2, d2, kv2) = results
+    assert torch.equal(p1, p2) and torch.equal(d1, d2) and torch.equal(kv1, kv2)
