@@ -81,31 +81,31 @@ def test_answers_are_the_same_with_and_without_preemption(loaded_fp32) -> None:
     # The latest arrivals are preempted first: the ones whose state is hardest to keep (a
     # grammar, logprobs, a seeded generator, n answers) come last.
     specs = [
-        ("greedy", prompt_of(tokenizer, 9, 0), {"max_tokens": 26, "temperature": 0}),
+        ("greedy", prompt_of(tokenizer, 9, 0), {"max_tokens": 40, "temperature": 0}),
         (
             "penalized",
             prompt_of(tokenizer, 7, 1),
-            {"max_tokens": 26, "temperature": 0, "repetition_penalty": 1.3},
+            {"max_tokens": 40, "temperature": 0, "repetition_penalty": 1.3},
         ),
         (
             "seeded",
             prompt_of(tokenizer, 8, 2),
-            {"max_tokens": 26, "temperature": 1.0, "top_p": 0.9, "seed": 11},
-        ),
-        (
-            "structured",
-            prompt_of(tokenizer, 10, 3),
-            {"max_tokens": 26, "temperature": 0.8, "seed": 5, "structured": GRAMMAR},
-        ),
-        (
-            "logprobs",
-            prompt_of(tokenizer, 12, 4),
-            {"max_tokens": 26, "temperature": 0, "logprobs": 3, "prompt_logprobs": 2},
+            {"max_tokens": 40, "temperature": 1.0, "top_p": 0.9, "seed": 11},
         ),
         (
             "n2",
             prompt_of(tokenizer, 6, 5),
-            {"max_tokens": 26, "temperature": 1.0, "seed": 3, "n": 2},
+            {"max_tokens": 40, "temperature": 1.0, "seed": 3, "n": 2},
+        ),
+        (
+            "structured",
+            prompt_of(tokenizer, 10, 3),
+            {"max_tokens": 40, "temperature": 0.8, "seed": 5, "structured": GRAMMAR},
+        ),
+        (
+            "logprobs",
+            prompt_of(tokenizer, 12, 4),
+            {"max_tokens": 40, "temperature": 0, "logprobs": 3, "prompt_logprobs": 2},
         ),
     ]
     for _, _, params in specs:
@@ -124,9 +124,9 @@ def test_answers_are_the_same_with_and_without_preemption(loaded_fp32) -> None:
     assert "greedy" not in preempted  # the oldest is never preempted
     assert strip_ids(tight) == strip_ids(roomy)
     structured = next(r for r in tight if r["name"] == "structured")["answers"][0]
-    assert structured["reason"] == "stop" or len(structured["tokens"]) == 26
+    assert structured["reason"] == "stop" or len(structured["tokens"]) == 40
     logprobs = next(r for r in tight if r["name"] == "logprobs")["answers"][0]
-    assert len(logprobs["prompt_logprobs"]) == 12 and len(logprobs["logprobs"]) == 26
+    assert len(logprobs["prompt_logprobs"]) == 12 and len(logprobs["logprobs"]) == 40
 
 
 def test_a_prompt_scored_when_preempted_mid_prefill_is_scored_once_from_the_start(
@@ -134,10 +134,11 @@ def test_a_prompt_scored_when_preempted_mid_prefill_is_scored_once_from_the_star
 ) -> None:
     tokenizer = loaded_fp32.tokenizer
     long_prompt = (prompt_of(tokenizer, 60, 6) * 3)[:150]
+    decoder_prompt = (prompt_of(tokenizer, 20, 7) * 2)[:28]
     specs = [
-        # The oldest: a 1-block reservation it outgrows at position 32, while the next one
-        # still prefills its 150-token prompt 4 positions a step.
-        ("decoder", prompt_of(tokenizer, 5, 7), {"max_tokens": 30, "temperature": 0}),
+        # The oldest: a 1-block reservation it outgrows at position 32 (its fifth token),
+        # while the next one still prefills its 150-token prompt 16 positions a step.
+        ("decoder", decoder_prompt, {"max_tokens": 10, "temperature": 0}),
         (
             "scored",
             long_prompt,
@@ -147,10 +148,10 @@ def test_a_prompt_scored_when_preempted_mid_prefill_is_scored_once_from_the_star
     for _, _, params in specs:
         params["ignore_eos"] = True
     roomy, _, roomy_count, _ = answers(
-        loaded_fp32, make_config(slots=2, blocks=32, chunk=4, reserve_tokens=1), specs
+        loaded_fp32, make_config(slots=2, blocks=32, chunk=16, reserve_tokens=1), specs
     )
     tight, preempted, count, idle = answers(
-        loaded_fp32, make_config(slots=2, blocks=6, chunk=4, reserve_tokens=1), specs
+        loaded_fp32, make_config(slots=2, blocks=6, chunk=16, reserve_tokens=1), specs
     )
     assert roomy_count == 0 and count >= 1 and idle
     assert set(preempted) == {"scored"}
