@@ -10,9 +10,10 @@ preemptions, and the memory each policy needs to run all C at once: under "reser
 contexts; under "partial" C prompts with their first `--reserve-tokens` positions to admit
 them all, and the peak actually held in the run.
 
-`make bench ARGS="--only admission --admission-model PATH"` runs it; `python -m
-kvserve.bench.admission_bench MODEL` runs it alone (tiny sizes with `--concurrency 4
---num-prompts 4 --kv-cache-memory 64MB`, for a smoke run).
+`make bench` runs it on qwen2.5-coder:1.5b (`ARGS="--only admission --admission-model NAME"`
+for another model: a catalogue name, pulled first when missing, or a path); `python -m
+kvserve.bench.admission_bench [MODEL]` runs it alone (on the embedded model without MODEL; tiny
+sizes with `--concurrency 4 --num-prompts 4 --kv-cache-memory 64MB`, for a smoke run).
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def run_admission_bench(
     """Run the workload once per admission policy on a fresh server; see the module docstring."""
     from kvserve.bench.run import serving
 
+    if model is not None:
+        _pull_if_missing(model)
     runs = []
     for admission in admissions:
         flags = [] if model is None else [model]
@@ -164,6 +167,17 @@ def run_admission_bench(
             )
             runs.append(run)
     return runs
+
+
+def _pull_if_missing(model: str) -> None:
+    """Fetch a catalogue model not pulled yet, before any server starts (a server's start has a
+    deadline that a first download may not meet)."""
+    from kvserve import hub
+    from kvserve.hub.pull_cli import pull_entry
+
+    entry = hub.lookup(model)
+    if entry is not None and hub.present(entry) is None:
+        pull_entry(entry)
 
 
 def _default_reserve_tokens() -> int:

@@ -25,6 +25,10 @@ from pathlib import Path
 
 import httpx
 
+# The admission section's model: a real chat model with a long context, where reserving whole
+# answers of chats without max_tokens runs few of them at once.
+ADMISSION_MODEL = "qwen2.5-coder:1.5b"
+
 
 def machine_line() -> str:
     model = platform.processor() or "unknown CPU"
@@ -230,9 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--admission-model",
-        default=None,
-        help="the model of the admission section (partial against full reservation; default: "
-        "the embedded one), e.g. the path of qwen2.5-coder-1.5b's GGUF",
+        default=ADMISSION_MODEL,
+        help="the model of the admission section (partial against full reservation): a "
+        f"catalogue name (pulled first when missing), a path, or 'embedded' (default: "
+        f"{ADMISSION_MODEL})",
     )
     parser.add_argument("--admission-concurrency", type=int, default=64)
     parser.add_argument(
@@ -437,8 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         from kvserve.bench.admission_bench import format_admission_table, run_admission_bench
 
         concurrency = args.admission_concurrency
+        model = None if args.admission_model == "embedded" else args.admission_model
         runs = run_admission_bench(
-            args.admission_model,
+            model,
             concurrency=concurrency,
             num_prompts=args.admission_prompts,
             kv_cache_memory=args.admission_kv_memory,
@@ -447,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                 *("--kv-cache-dtype", args.kv_cache_dtype),
             ],
         )
-        name = args.admission_model or "the embedded model"
+        name = model or "the embedded model"
         out += [
             f"### Admission: partial reservation against `--admission reserve` ({name}, "
             f"{concurrency} concurrent streamed chats without max_tokens, `--max-num-seqs "
