@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 from kvserve.config import (
+    ADMISSIONS,
     BLOCK_SIZES,
+    DEFAULT_RESERVE_TOKENS,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     CacheConfig,
@@ -54,6 +56,24 @@ def parse_size(text: str) -> int:
         if raw.endswith(suffix):
             return int(float(raw[: -len(suffix)]) * units[suffix])
     return int(float(raw))
+
+
+def parse_memory(text: str) -> int | float:
+    """A memory budget: a fraction of the memory available ('0.4', '40%'), else bytes as
+    `parse_size` reads them ('4GiB', '512MB')."""
+    raw = text.strip()
+    if raw.endswith("%"):
+        fraction = float(raw[:-1]) / 100
+    else:
+        try:
+            fraction = float(raw)
+        except ValueError:
+            return parse_size(raw)
+        if fraction > 1:
+            return int(fraction)
+    if not 0 < fraction <= 1:
+        raise ValueError(f"a fraction of the memory must be in (0, 1], got {text!r}")
+    return fraction
 
 
 def _optional_int(text: str) -> int | None:
@@ -127,9 +147,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
     )
     g.add_argument(
         "--kv-cache-memory",
-        type=parse_size,
-        default=e("--kv-cache-memory", None, parse_size),
-        help="bytes for the KV pool, e.g. 2GiB (default: derived from free memory)",
+        type=parse_memory,
+        default=e("--kv-cache-memory", None, parse_memory),
+        help="memory for the KV pool: bytes (4GiB, 512MB) or a fraction of the memory "
+        "available at start (0.4, 40%%) (default: 90%% of free GPU memory, 50%% of available "
+        "host memory, at most what --max-num-seqs full contexts can fill)",
     )
     g.add_argument(
         "--kv-cache-dtype",
@@ -148,6 +170,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
     )
     g = parser.add_argument_group("scheduling")
     g.add_argument("--max-num-seqs", type=int, default=e("--max-num-seqs", 8, int))
+    g.add_argument(
+        "--admission",
+        choices=ADMISSIONS,
+        default=e("--admission", "partial"),
+        help="partial (default): a request is admitted with KV blocks for its prompt and the "
+        "first --reserve-tokens positions of its answer, grows from the free pool, and the "
+        "latest arrival is preempted by recompute when the pool runs dry | reserve: blocks for "
+        "the prompt and the whole answer budget (the rest of the context without max_tokens)",
+    )
+    g.add_argument(
+        "--reserve-tokens",
+        type=int,
+        default=e("--reserve-tokens", DEFAULT_RESERVE_TOKENS, int),
+        help="answer positions reserved at admission under --admission partial",
+    )
     g.add_argument(
         "--max-model-len",
         type=_optional_int,
@@ -250,6 +287,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
             prefill_chunk=args.prefill_chunk,
+            admission=args.admission,
+            reserve_tokens=args.reserve_tokens,
         ),
         queue=QueueConfig(
             max_queue_per_slot=args.max_queue_per_slot,

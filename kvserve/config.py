@@ -65,7 +65,10 @@ class CacheConfig:
 
     block_size: int = 32
     num_kv_blocks: int | None = None  # explicit pool size; wins over kv_cache_memory
-    kv_cache_memory: int | None = None  # bytes for K and V of all layers; None = derived
+    # The pool's memory for K and V of all layers: bytes (an int), or a fraction of the memory
+    # available at start (a float in (0, 1]); None = the default fraction for the device
+    # (kvserve.model.kv_cache.choose_pool_size)
+    kv_cache_memory: int | float | None = None
     # "auto" (see kvserve.model.kv_cache.choose_cache_dtype) | "model" (the model's dtype) |
     # "int8" (kvserve/model/csrc/kv_int8.c)
     kv_cache_dtype: str = "auto"
@@ -80,25 +83,37 @@ class CacheConfig:
             raise ValueError("block_size must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("num_kv_blocks must be positive")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+        memory = self.kv_cache_memory
+        if isinstance(memory, float) and not 0.0 < memory <= 1.0:
+            raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {memory}")
+        if memory is not None and memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
 
 
-Admission = Literal["reserve", "slot-only"]
-Batching = Literal["continuous", "request"]
+ADMISSIONS = ("partial", "reserve")
+Admission = Literal["partial", "reserve"]
+# Answer positions "partial" admission reserves beyond the prompt; see docs/serving.md for the
+# measurement behind it.
+DEFAULT_RESERVE_TOKENS = 256
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Whom to admit and what each step computes."""
+    """Whom to admit and what each step computes.
+
+    `admission` says what a request's blocks are taken for when it is admitted: "partial" (the
+    prompt and the first `reserve_tokens` positions of the answer; the rest grows from the free
+    pool, preempting the latest arrivals by recompute when it runs dry) or "reserve" (the prompt
+    and the whole answer budget: nothing ever grows or is preempted). The answer budget of a
+    request that names no max_tokens is the rest of the context.
+    """
 
     max_num_seqs: int = 8  # slots
     max_model_len: int | None = None  # None = the model's context length
     max_num_batched_tokens: int = 2048  # rows per step
     prefill_chunk: int = 512  # prompt tokens per sequence per step
-    admission: Admission = "reserve"
-    batching: Batching = "continuous"  # "request": a batch runs to completion before the next
-    # Reserve used when a request names no max_tokens is the rest of the context.
+    admission: Admission = "partial"
+    reserve_tokens: int = DEFAULT_RESERVE_TOKENS  # answer positions reserved under "partial"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -109,10 +124,12 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
-        if self.admission not in ("reserve", "slot-only"):
-            raise ValueError(f"unknown admission policy {self.admission!r}")
-        if self.batching not in ("continuous", "request"):
-            raise ValueError(f"unknown batching policy {self.batching!r}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(
+                f"unknown admission policy {self.admission!r} (use {' or '.join(ADMISSIONS)})"
+            )
+        if self.reserve_tokens <= 0:
+            raise ValueError("reserve_tokens must be positive")
 
 
 @dataclass(frozen=True, slots=True)

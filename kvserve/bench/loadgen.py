@@ -82,7 +82,7 @@ class BenchConfig:
     concurrency: int = 1  # requests in flight at most
     num_prompts: int = 32
     input_len: int = 128  # prompt words, about that many tokens for a BPE tokenizer
-    output_len: int = 128  # max_tokens
+    output_len: int | None = 128  # max_tokens; None: sent without one (chat front-ends' way)
     request_rate: float = math.inf  # requests per second, Poisson; inf = all at once
     cancel_rate: float = 0.0  # fraction of requests the client aborts mid-stream
     cancel_after: int = 4  # chunks with text a cancelled request reads before closing
@@ -105,7 +105,7 @@ class BenchConfig:
             raise ValueError("concurrency must be at least 1")
         if self.num_prompts < 1:
             raise ValueError("num_prompts must be at least 1")
-        if self.input_len < 1 or self.output_len < 1:
+        if self.input_len < 1 or (self.output_len is not None and self.output_len < 1):
             raise ValueError("input_len and output_len must be at least 1")
         if not self.request_rate > 0:
             raise ValueError("request_rate must be positive (inf = all at once)")
@@ -312,8 +312,9 @@ def request_body(config: BenchConfig, model: str, prompt: str) -> dict[str, Any]
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
+    if config.output_len is not None:
+        body["max_tokens"] = config.output_len
     body.update(
-        max_tokens=config.output_len,
         temperature=0.0,
         stream=True,
         stream_options={"include_usage": True},
@@ -638,6 +639,10 @@ def format_table(results: list[BenchResult]) -> str:
     return "\n".join(lines)
 
 
+def _optional_length(text: str) -> int | None:
+    return None if text.strip().lower() in ("none", "") else int(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `kvserve bench`."""
     defaults = BenchConfig()
@@ -656,7 +661,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--input-len", type=int, default=defaults.input_len, help="prompt length in words (~tokens)"
     )
     parser.add_argument(
-        "--output-len", type=int, default=defaults.output_len, help="max_tokens per request"
+        "--output-len",
+        type=_optional_length,
+        default=defaults.output_len,
+        help="max_tokens per request; 'none' sends none (the server's default answer length)",
     )
     parser.add_argument(
         "--request-rate",

@@ -25,6 +25,10 @@ from pathlib import Path
 
 import httpx
 
+# The admission section's model: a real chat model with a long context, where reserving whole
+# answers of chats without max_tokens runs few of them at once.
+ADMISSION_MODEL = "qwen2.5-coder:1.5b"
+
 
 def machine_line() -> str:
     model = platform.processor() or "unknown CPU"
@@ -225,9 +229,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make bench", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--only",
-        default="model,engine,http,prefix,bigmodel,viewer,cluster,embeddings",
+        default="model,engine,http,prefix,bigmodel,viewer,cluster,embeddings,admission",
         help="comma list of sections",
     )
+    parser.add_argument(
+        "--admission-model",
+        default=ADMISSION_MODEL,
+        help="the model of the admission section (partial against full reservation): a "
+        f"catalogue name (pulled first when missing), a path, or 'embedded' (default: "
+        f"{ADMISSION_MODEL})",
+    )
+    parser.add_argument("--admission-concurrency", type=int, default=64)
+    parser.add_argument(
+        "--admission-prompts", type=int, default=None, help="chats sent (default: 2 x concurrency)"
+    )
+    parser.add_argument("--admission-kv-memory", default="4GB", help="--kv-cache-memory of both")
     parser.add_argument(
         "--skip-bigmodel",
         action="store_true",
@@ -419,6 +435,42 @@ def main(argv: list[str] | None = None) -> int:
         ]
         raw["prefix"] = [
             {"workload": r.workload, "cache": r.cache, "ttfts": r.ttfts} for r in prefix_results
+        ]
+
+    if "admission" in sections:
+        print("admission benchmark (partial against full reservation)...", flush=True)
+        from kvserve.bench.admission_bench import format_admission_table, run_admission_bench
+
+        concurrency = args.admission_concurrency
+        model = None if args.admission_model == "embedded" else args.admission_model
+        runs = run_admission_bench(
+            model,
+            concurrency=concurrency,
+            num_prompts=args.admission_prompts,
+            kv_cache_memory=args.admission_kv_memory,
+            engine_flags=[
+                *("--dtype", args.dtype, "--quantization", args.quantization),
+                *("--kv-cache-dtype", args.kv_cache_dtype),
+            ],
+        )
+        name = model or "the embedded model"
+        out += [
+            f"### Admission: partial reservation against `--admission reserve` ({name}, "
+            f"{concurrency} concurrent streamed chats without max_tokens, `--max-num-seqs "
+            f"{concurrency} --kv-cache-memory {args.admission_kv_memory}`, greedy)\n",
+            format_admission_table(runs, concurrency),
+            "",
+        ]
+        raw["admission"] = [
+            {
+                "admission": r.admission,
+                "peak_running": r.peak_running,
+                "preemptions": r.num_preemptions,
+                "peak_blocks_used": r.peak_blocks_used,
+                "block_bytes": r.block_bytes,
+                "result": r.result.to_dict() | {"records": None},
+            }
+            for r in runs
         ]
 
     if "bigmodel" in sections and args.skip_bigmodel:

@@ -48,7 +48,8 @@ class ChunkPlan:
 @dataclass(frozen=True, slots=True)
 class BlockCopy:
     """Copy block `source`'s KV into block `target`, for sequence `request_id`, before the
-    forward pass: an n > 1 prompt's partly filled last block, one copy per answer but the first."""
+    forward pass: an n > 1 prompt's partly filled last block (one copy per answer but the
+    first), or a published tail a sequence continues."""
 
     request_id: str
     source: int
@@ -62,15 +63,15 @@ class StepPlan:
     `chunks` holds prefill chunks first, then decode rows, each group in arrival order.
     `waiting_ids` names the running sequences that got no rows this step, in arrival order;
     they keep their slot and blocks and are planned again next step. `copies` are block copies
-    to run before the forward pass.
+    to run before the forward pass. `preempted_ids` names the sequences this plan preempted to
+    find blocks for the others: they hold nothing now and resume later by recomputing.
     """
 
     step: int
     chunks: tuple[ChunkPlan, ...]
     waiting_ids: tuple[str, ...] = ()
-    # KV block copies (source, target) to run before the forward pass: an n > 1 prompt's partly
-    # filled last block, copied for each answer but the first.
     copies: tuple[BlockCopy, ...] = ()
+    preempted_ids: tuple[str, ...] = ()
 
     @property
     def num_rows(self) -> int:

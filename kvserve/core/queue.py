@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvserve.config import QueueConfig
+
+if TYPE_CHECKING:
+    from kvserve.core.sequence import Sequence
 
 
 class CapacitySignal:
@@ -65,15 +70,18 @@ class Outcome(enum.Enum):
 
 @dataclass(slots=True)
 class Waiter:
-    """A request waiting for a slot (and, under reservation, its blocks)."""
+    """A request waiting for its slots and blocks; `sequences` are its answers' records."""
 
     request_id: str
-    num_prompt_tokens: int
-    reserve: int
     arrival: int  # order of arrival at the door; the scheduler keeps sequences in this order
     enqueued_at: float
     deadline: float  # enqueued_at + the queue's timeout
+    sequences: tuple[Sequence, ...] = ()
     num_overtaken: int = 0  # admissions of later waiters while this one was the head
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.sequences[0].num_prompt_tokens if self.sequences else 0
 
 
 class AdmissionQueue:
@@ -126,9 +134,7 @@ class AdmissionQueue:
         self._num_arrivals += 1
         return arrival
 
-    def offer(
-        self, request_id: str, num_prompt_tokens: int, reserve: int, now: float
-    ) -> Waiter | None:
+    def offer(self, request_id: str, now: float, sequences: Seq[Sequence] = ()) -> Waiter | None:
         """Append a waiter whose deadline is `now + timeout`; None when the queue is full."""
         if request_id in self._waiters:
             raise ValueError(f"{request_id!r} is already waiting")
@@ -136,11 +142,10 @@ class AdmissionQueue:
             return None
         waiter = Waiter(
             request_id=request_id,
-            num_prompt_tokens=num_prompt_tokens,
-            reserve=reserve,
             arrival=self.next_arrival(),
             enqueued_at=now,
             deadline=now + self.timeout,
+            sequences=tuple(sequences),
         )
         self._waiters[request_id] = waiter
         return waiter

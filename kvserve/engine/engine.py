@@ -1,8 +1,9 @@
 """The Engine: one loop that owns all serving state and runs steps while there is work.
 
-    plan = scheduler.schedule()                        # loop thread
+    plan = scheduler.schedule()                        # loop thread; may preempt
     output = batch.execute(plan, rows, scored)         # device thread
-    scheduler.update_from_output(plan, output)         # loop thread; publishes full blocks
+    finished = scheduler.update_from_output(           # loop thread; the one stop check,
+        plan, sampled, stopped)                        #   publishes full blocks
     deliver                                            # loop thread; tokens to streams
 
 Bookkeeping (Scheduler, BlockPool, AdmissionQueue, request states, streams) lives on the event
@@ -12,22 +13,31 @@ boundaries. The only thing that runs elsewhere is `Batch.execute`, on the device
 reads the plan (immutable, with every row's input token built in) and the sampling rows' states
 (built on the loop thread before the step; nothing modifies them while it runs).
 
-A request asks for n answers (`SamplingParams.n`); each is a scheduler sequence (`SeqState`,
-which holds its tokens and counts) with a `Choice` here for what delivering needs (detokenizer,
-generator, stop ids). The prompt is prefilled once for all n (see kvserve/core/scheduler.py).
+A request asks for n answers (`SamplingParams.n`); each is a `kvserve.core.Sequence` (its
+tokens, counts, budget and status, created at submit and moved through its statuses by the
+scheduler) with an `Answer` here for what delivering needs (detokenizer, generator, grammar
+matcher). The prompt is prefilled once for all n (see kvserve/core/scheduler.py).
+
+Each sampled token is first given to its answer's grammar matcher and detokenizer, which say
+whether a stop string or a complete grammar ends the answer; the scheduler's update then runs
+the one stop check (stop token, that verdict, the budget) and reports the answers that ended.
+A preempted sequence keeps its tokens, its generator and its matcher; it resumes by
+recomputing the KV of what it had, which samples nothing until its next new token.
 
 Every way a request ends — finish, stop string, cancel, slow consumer, queue timeout, error,
-shutdown — goes through `_release`, which returns its slot and blocks (Scheduler.release, which
-also offers the capacity signal) or removes it from the queue, drops its grammar states, and
-ends its stream with a final delta carrying the finish reason and usage.
+shutdown — sets its sequences' finished status and goes through `_end`, which ends its stream
+with a final delta carrying the finish reason and usage; `_release` only frees: slots and blocks
+back (Scheduler.release, which also offers the capacity signal) or its place in the queue, and
+its grammar states dropped.
 
-A request under structured output whose grammar is not compiled yet waits in the "compiling"
-state: registered (it can be cancelled) but neither queued nor holding a slot. The grammar
-compiles on the structured-output worker; when it lands, the request joins admission as any
-other (or ends with a 400 if the grammar engine refused it). Each answer has its own matcher.
+A request under structured output whose grammar is not compiled yet waits with its sequences
+WAITING_FOR_GRAMMAR: registered (it can be cancelled) but neither queued nor holding a slot. The
+grammar compiles on the structured-output worker; when it lands, the request joins admission as
+any other (or ends with a 400 if the grammar engine refused it). Each answer has its own matcher.
 
 A request that asks for prompt log-probabilities computes its whole prompt: cached blocks never
-stand in for rows whose logits it needs.
+stand in for rows whose logits it needs (and a preemption before its first token scores the
+prompt again from the start).
 """
 
 from __future__ import annotations
@@ -37,9 +47,9 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Sequence as Seq
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -49,14 +59,17 @@ from kvserve.core import (
     BlockPool,
     CapacitySignal,
     Infeasible,
+    KVManager,
     Outcome,
     Prompt,
     Scheduler,
-    SeqState,
+    Sequence,
+    SequenceStatus,
     StepPlan,
-    choice_id,
+    admit_or_enqueue,
+    admit_waiting,
+    make_sequences,
 )
-from kvserve.core.scheduler import admit_or_enqueue, admit_waiting
 from kvserve.engine.batch import Batch, Sampled, StepOutput
 from kvserve.engine.embedding import Embedder, EmbeddingJob, EmbeddingObserver, decoder_embedder
 from kvserve.engine.sampler import RowState, Sampler, make_generator
@@ -93,6 +106,9 @@ class EngineObserver(EmbeddingObserver):
 
     def on_rejected(self, reason: str) -> None: ...
 
+    def on_preempted(self, state: RequestState, num_sequences: int) -> None:
+        """A step preempted `num_sequences` of the request's answers (they resume later)."""
+
     def on_step(self, plan: StepPlan, seconds: float) -> None: ...
 
 
@@ -117,6 +133,10 @@ class Observers(EngineObserver):
     def on_rejected(self, reason: str) -> None:
         for observer in self.observers:
             observer.on_rejected(reason)
+
+    def on_preempted(self, state: RequestState, num_sequences: int) -> None:
+        for observer in self.observers:
+            observer.on_preempted(state, num_sequences)
 
     def on_step(self, plan: StepPlan, seconds: float) -> None:
         for observer in self.observers:
@@ -161,39 +181,47 @@ class StepRecorder(EngineObserver):
 
 
 @dataclass(eq=False)
-class Choice:
-    """One of a request's n answers: what delivering its tokens needs. Its tokens and counts
-    live in the scheduler's sequence (`seq`, attached at admission)."""
+class Answer:
+    """One of a request's n answers: its sequence (kvserve.core.Sequence: tokens, counts,
+    status) and what delivering its tokens needs."""
 
-    index: int
-    seq_id: str
+    seq: Sequence
     detokenizer: object
     generator: torch.Generator | None
-    seq: SeqState | None = None
     grammar: GrammarState | None = None  # structured output; dropped on release
-    finish_reason: str | None = None
+    ended: bool = False  # its last delta (with its finish reason) was handed out
+
+    @property
+    def index(self) -> int:
+        return self.seq.index
+
+    @property
+    def seq_id(self) -> str:
+        return self.seq.seq_id
 
     @property
     def output_token_ids(self) -> list[int]:
-        return [] if self.seq is None else self.seq.output_token_ids
+        return self.seq.output_token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.seq.finish_reason
 
 
 @dataclass(eq=False)
 class RequestState:
-    """The engine's view of one request, from submit to release."""
+    """The engine's view of one request, from submit to release: its answers, its stream, the
+    times observers read. Counts and statuses live in the answers' sequences."""
 
     request: GenerationRequest
     stream: Stream
-    max_tokens: int  # resolved answer budget (per answer)
-    stop_token_ids: frozenset[int]
-    choices: list[Choice]
-    reserve: int = 0  # KV positions reserved at admission beyond the prompt
+    answers: list[Answer]
     # One entry per prompt token scored so far (None for the first), when the request asked
     # for prompt logprobs; handed out with the first generated token.
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    status: str = "queued"  # compiling | queued | running | finished
-    finish_reason: str | None = None
-    cancel_reason: str | None = None  # set while running; applied at the next step boundary
+    cancel_reason: str | None = None  # set while admitted; applied at the next step boundary
+    ended: bool = False  # the stream has its final delta
+    final_index: int = 0  # the answer whose end ended the request
     admitted_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -204,14 +232,23 @@ class RequestState:
         return self.request.request_id
 
     @property
-    def prompt(self) -> Prompt:
-        """What admission needs: tokens (for prefix lookups), salt and n."""
-        return Prompt(
-            self.request.prompt_token_ids,
-            self.request.cache_salt,
-            len(self.choices),
-            reuse=not self.request.needs_prompt_logprobs,
-        )
+    def sequences(self) -> list[Sequence]:
+        return [answer.seq for answer in self.answers]
+
+    @property
+    def status(self) -> SequenceStatus:
+        """The first answer's status (all answers share it until they are admitted)."""
+        return self.answers[0].seq.status
+
+    @property
+    def is_admitted(self) -> bool:
+        """It has held slots (its answers run, are preempted, or some have finished)."""
+        return self.admitted_at is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why the request ended (its last answer's reason); None while it has not."""
+        return self.answers[self.final_index].finish_reason if self.ended else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -220,29 +257,28 @@ class RequestState:
     @property
     def num_cached_tokens(self) -> int:
         """Prompt tokens taken from the prefix cache (0 before admission)."""
-        seq = self.choices[0].seq
-        return 0 if seq is None else seq.num_cached_tokens
+        return self.answers[0].seq.num_cached_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
         """The first answer's tokens (the only one when n = 1)."""
-        return self.choices[0].output_token_ids
+        return self.answers[0].output_token_ids
 
     @property
     def num_output_tokens(self) -> int:
         """Tokens sampled over every answer."""
-        return sum(len(choice.output_token_ids) for choice in self.choices)
+        return sum(len(answer.output_token_ids) for answer in self.answers)
 
     def usage(self) -> Usage:
         return Usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
 
-    def row_state(self, choice: Choice) -> RowState:
+    def row_state(self, answer: Answer) -> RowState:
         return RowState(
             params=self.request.params,
-            generator=choice.generator,
+            generator=answer.generator,
             prompt_token_ids=self.request.prompt_token_ids,
-            output_token_ids=choice.output_token_ids,
-            grammar=choice.grammar,
+            output_token_ids=answer.output_token_ids,
+            grammar=answer.grammar,
         )
 
 
@@ -312,6 +348,7 @@ class Engine:
             config.cache.block_size,
             prefix_caching=config.cache.enable_prefix_caching,
         )
+        self.kv = KVManager(self.pool)
         self._wake: asyncio.Event | None = None
         self._signal: CapacitySignal | None = None
         self.scheduler: Scheduler | None = None
@@ -323,7 +360,7 @@ class Engine:
         )
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
         self._requests: dict[str, RequestState] = {}
-        self._choices: dict[str, tuple[RequestState, Choice]] = {}  # by sequence id
+        self._answers: dict[str, tuple[RequestState, Answer]] = {}  # by sequence id
         self._pending_cancels: list[str] = []
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -339,7 +376,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._signal = _WakingSignal(self._wake)
         self.scheduler = Scheduler(
-            self.config.scheduler, self.pool, self.max_model_len, capacity=self._signal
+            self.config.scheduler, self.kv, self.max_model_len, capacity=self._signal
         )
         self._stopping = False
         self._loop = asyncio.get_running_loop()
@@ -402,7 +439,7 @@ class Engine:
                 "n",
             )
         try:
-            reserve = self.scheduler.check(len(prompt), params.max_tokens, params.n)
+            budget = self.scheduler.check(len(prompt), params.max_tokens, params.n)
         except Infeasible as exc:
             self.observer.on_rejected("infeasible")
             raise InvalidRequest(exc.reason, exc.param) from exc
@@ -410,58 +447,60 @@ class Engine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
+        compiled = None if params.structured is None else self.structured.compile(params.structured)
+        compiling = compiled is not None and not compiled.done()
+        sequences = make_sequences(
+            request_id,
+            len(prompt),
+            budget,
+            Prompt(prompt, request.cache_salt, params.n, reuse=not request.needs_prompt_logprobs),
+            stop_token_ids=frozenset(stop_ids),
+            status=SequenceStatus.WAITING_FOR_GRAMMAR if compiling else SequenceStatus.WAITING,
+        )
         state = RequestState(
             request=request,
             stream=Stream(request_id, self.config.stream.buffer_steps * params.n),
-            max_tokens=reserve,
-            reserve=reserve,
             prompt_logprobs=[None] if request.needs_prompt_logprobs else None,
-            stop_token_ids=frozenset(stop_ids),
-            choices=[
-                Choice(
-                    index=index,
-                    seq_id=choice_id(request_id, index),
+            answers=[
+                Answer(
+                    seq=seq,
                     detokenizer=self.tokenizer.detokenizer(stop=params.stop),
                     generator=(
                         # Answer i draws from its own stream, derived from the seed, so each
                         # answer is reproducible and answer 0 is the one n = 1 gives.
-                        make_generator(params.seed + index, self.loaded.device)
+                        make_generator(params.seed + seq.index, self.loaded.device)
                         if params.seed is not None
                         else None
                     ),
                 )
-                for index in range(params.n)
+                for seq in sequences
             ],
         )
-        if params.structured is not None:
-            compiled = self.structured.compile(params.structured)
-            if not compiled.done():
-                # Compiling holds no slot and no queue place; admission follows it.
-                state.status = "compiling"
-                self._requests[request_id] = state
-                compiled.add_done_callback(lambda future: self._compiled_soon(state, future))
-                return state.stream
+        if compiling:
+            # Waiting for its grammar holds no slot and no queue place; admission follows it.
+            self._register(state)
+            compiled.add_done_callback(lambda future: self._compiled_soon(state, future))
+            return state.stream
+        if compiled is not None:
             self._attach_grammars(state, compiled)  # cached: raises InvalidRequest
         self._admit_or_enqueue(state)
-        self._requests[request_id] = state
+        self._register(state)
         self._wake.set()
         return state.stream
 
+    def _register(self, state: RequestState) -> None:
+        self._requests[state.request_id] = state
+        for answer in state.answers:
+            self._answers[answer.seq_id] = (state, answer)
+
     def _admit_or_enqueue(self, state: RequestState) -> None:
-        """Take a slot or a queue place; raises QueueFull (nothing registered by it)."""
-        outcome = admit_or_enqueue(
-            self.scheduler,
-            self.queue,
-            state.request_id,
-            state.num_prompt_tokens,
-            state.reserve,
-            time.monotonic(),
-            state.prompt,
-        )
+        """Take its slots or a queue place; raises QueueFull (nothing registered by it)."""
+        for seq in state.sequences:
+            seq.status = SequenceStatus.WAITING
+        outcome = admit_or_enqueue(self.scheduler, self.queue, state.sequences, time.monotonic())
         if outcome is Outcome.QUEUE_FULL:
             self.observer.on_rejected("queue_full")
             raise QueueFull(self.config.queue.queue_timeout)
-        state.status = "queued"
         if outcome is Outcome.ADMITTED:
             self._mark_admitted(state)
 
@@ -471,8 +510,8 @@ class Engine:
         """A matcher per answer from a finished compilation; InvalidRequest when refused."""
         try:
             grammar = compiled.result()
-            for choice in state.choices:
-                choice.grammar = self.structured.matcher(grammar)
+            for answer in state.answers:
+                answer.grammar = self.structured.matcher(grammar)
         except GrammarError as exc:
             raise InvalidRequest(exc.message, exc.param) from None
 
@@ -482,8 +521,8 @@ class Engine:
             self._loop.call_soon_threadsafe(self._compiled, state, compiled)
 
     def _compiled(self, state: RequestState, compiled: Future) -> None:
-        """A grammar landed for a request waiting in "compiling": admit it or refuse it."""
-        if state.status != "compiling":
+        """A grammar landed for a request waiting for it: admit it or refuse it."""
+        if state.ended or state.status is not SequenceStatus.WAITING_FOR_GRAMMAR:
             return  # cancelled or shut down meanwhile
         try:
             if self._stopping:
@@ -491,21 +530,23 @@ class Engine:
             self._attach_grammars(state, compiled)
             self._admit_or_enqueue(state)
         except QueueFull as exc:  # the queue filled while it compiled: a 429 as at the door
-            self._release(state, "queue_full", error=exc)
+            self._end(state, SequenceStatus.FINISHED_QUEUE_FULL, error=exc)
             return
         except EngineError as exc:
-            self._release(state, "error", error=exc)
+            self._end(state, SequenceStatus.FINISHED_ERROR, error=exc)
             return
         self._wake.set()
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
-        """Stop a request: at once while queued, at the next step boundary while running.
-        Idempotent; False when the request is unknown or already ended."""
+        """Stop a request: at once while it waits for its grammar or in the queue, at the next
+        step boundary once admitted. Idempotent; False when the request is unknown or already
+        ended. `reason` is a finish reason (kvserve.core.FINISH_REASONS)."""
         state = self._requests.get(request_id)
-        if state is None or state.status == "finished":
+        if state is None or state.ended:
             return False
-        if state.status in ("queued", "compiling"):
-            self._release(state, reason, error=RequestCancelled("the client closed the request"))
+        status = SequenceStatus.finished(reason)
+        if not state.is_admitted:
+            self._end(state, status, error=RequestCancelled("the client closed the request"))
         elif state.cancel_reason is None:
             state.cancel_reason = reason
             self._pending_cancels.append(request_id)
@@ -541,14 +582,27 @@ class Engine:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    @property
+    def num_preempted(self) -> int:
+        """Sequences preempted and waiting to resume."""
+        return self.scheduler.num_preempted if self.scheduler else 0
+
+    @property
+    def num_preemptions(self) -> int:
+        """Sequences preempted since the start."""
+        return self.scheduler.num_preemptions if self.scheduler else 0
+
     def is_idle(self) -> bool:
         """No request, every slot and block free, nothing queued: the leak check."""
         return (
             not self._requests
+            and not self._answers
             and self.num_running == 0
+            and self.num_preempted == 0
             and len(self.queue) == 0
             and self.pool.num_free == self.pool.num_blocks
             and self.pool.check_whole()
+            and self.kv.check_whole()
             and (
                 self.scheduler is None
                 or self.scheduler.num_free_slots == self.scheduler.config.max_num_seqs
@@ -564,8 +618,7 @@ class Engine:
                 if self._stopping:
                     break
                 if self.scheduler.num_running == 0 or not await self.step():
-                    # Nothing runs, or every running sequence waits (possible only under
-                    # slot-only admission with an exhausted pool): only an event changes that.
+                    # Nothing runs, or every running sequence waits: only an event changes that.
                     await self._idle_wait()
                     continue
                 # Let the stream consumers (SSE writers) take this step's deltas now, before
@@ -576,12 +629,13 @@ class Engine:
             self._shutdown_requests()
 
     async def step(self) -> bool:
-        """One step: plan, execute on the device thread, record, deliver. False: no rows.
+        """One step: plan, execute on the device thread, update, deliver. False: no rows.
 
         A step that raises fails the requests it touched through the one release path; the
         scheduler publishes nothing from it.
         """
         plan = self.scheduler.schedule()
+        self._preempted(plan)
         if plan.num_rows == 0 and not plan.copies:
             self.scheduler.abort(plan)
             return False
@@ -597,37 +651,45 @@ class Engine:
             self.scheduler.abort(plan)
             self._fail(plan, exc)
             return True
-        # A request whose cancel is pending ends at this boundary: its last token is neither
-        # delivered nor kept (nor counted in its usage).
-        sampled = {
-            seq_id: s.token_id
-            for seq_id, s in output.sampled.items()
-            if seq_id in self._choices and self._choices[seq_id][0].cancel_reason is None
-        }
-        self.scheduler.update_from_output(plan, sampled)
+        self._update(plan, output)
         self.num_steps += 1
-        self._deliver(plan, output)
         self.observer.on_step(plan, time.monotonic() - started)
         return plan.num_rows > 0
+
+    def _preempted(self, plan: StepPlan) -> None:
+        """The plan preempted these sequences: tell observers; a prompt being scored is scored
+        again from its start when it resumes."""
+        counts: dict[str, int] = {}
+        for seq_id in plan.preempted_ids:
+            entry = self._answers.get(seq_id)
+            if entry is None:
+                continue
+            state, answer = entry
+            counts[state.request_id] = counts.get(state.request_id, 0) + 1
+            if state.prompt_logprobs is not None and answer.seq.num_output == 0:
+                state.prompt_logprobs = [None]
+        for request_id, count in counts.items():
+            self.observer.on_preempted(self._requests[request_id], count)
 
     def _sampling_rows(self, plan: StepPlan) -> dict[str, RowState]:
         """Row states of the sequences sampling this step, built here on the loop thread."""
         rows: dict[str, RowState] = {}
         for chunk in plan.chunks:
             for seq_id in chunk.sampler_ids:
-                state, choice = self._choices[seq_id]
-                rows[seq_id] = state.row_state(choice)
+                state, answer = self._answers[seq_id]
+                rows[seq_id] = state.row_state(answer)
         return rows
 
-    def _scored_prompts(self, plan: StepPlan) -> dict[str, tuple[Sequence[int], int]]:
-        """The prefill chunks whose rows score their prompt (prompt logprobs were asked for):
-        sequence id -> (the prompt's tokens, how many alternatives per position)."""
-        scored: dict[str, tuple[Sequence[int], int]] = {}
+    def _scored_prompts(self, plan: StepPlan) -> dict[str, tuple[Seq[int], int]]:
+        """The prefill chunks whose rows score their prompt (prompt logprobs were asked for and
+        its first token is still to come): sequence id -> (the prompt's tokens, how many
+        alternatives per position)."""
+        scored: dict[str, tuple[Seq[int], int]] = {}
         for chunk in plan.chunks:
             if not chunk.is_prefill:
                 continue
-            entry = self._choices.get(chunk.request_id)
-            if entry is None or entry[0].prompt_logprobs is None:
+            entry = self._answers.get(chunk.request_id)
+            if entry is None or entry[0].prompt_logprobs is None or entry[1].seq.num_output:
                 continue
             request = entry[0].request
             scored[chunk.request_id] = (request.prompt_token_ids, request.params.prompt_logprobs)
@@ -649,121 +711,135 @@ class Engine:
             pending, self._pending_cancels = self._pending_cancels, []
             for request_id in pending:
                 state = self._requests.get(request_id)
-                if state is not None and state.status != "finished":
+                if state is not None and not state.ended:
                     reason = state.cancel_reason or "cancelled"
                     error = RequestCancelled("the client closed the request")
-                    self._release(state, reason, error=error if reason == "cancelled" else None)
+                    self._end(
+                        state,
+                        SequenceStatus.finished(reason),
+                        error=error if reason == "cancelled" else None,
+                    )
         for waiter in self.queue.expire(time.monotonic()):
             state = self._requests.get(waiter.request_id)
             if state is not None:
                 self.observer.on_rejected("queue_timeout")
-                self._release(
+                self._end(
                     state,
-                    "queue_timeout",
+                    SequenceStatus.FINISHED_QUEUE_TIMEOUT,
                     error=QueueTimeout(self.config.queue.queue_timeout),
-                    queued=False,
                 )
-        for waiter in admit_waiting(self.scheduler, self.queue, self._prompt_of):
+        for waiter in admit_waiting(self.scheduler, self.queue):
             state = self._requests.get(waiter.request_id)
             if state is not None:
                 self._mark_admitted(state)
 
-    def _prompt_of(self, request_id: str) -> Prompt | None:
-        state = self._requests.get(request_id)
-        return None if state is None else state.prompt
-
     def _mark_admitted(self, state: RequestState) -> None:
-        for choice in state.choices:
-            choice.seq = self.scheduler.get(choice.seq_id)
-            self._choices[choice.seq_id] = (state, choice)
-        state.status = "running"
         state.admitted_at = time.monotonic()
         state.stream.mark_admitted()
         self.observer.on_admitted(state)
 
-    def _deliver(self, plan: StepPlan, output: StepOutput) -> None:
-        """Decide for each sampled token whether its answer is done, hand out deltas."""
+    # -- update and delivery -------------------------------------------------------------------
+
+    def _update(self, plan: StepPlan, output: StepOutput) -> None:
+        """Give each sampled token to its answer's matcher and detokenizer, let the scheduler
+        apply the step and run the stop check, then hand out the deltas and end what ended.
+
+        A request whose cancel is pending ends at this boundary: its last token is neither
+        delivered nor kept (nor counted in its usage)."""
         now = time.monotonic()
         for seq_id, scored in output.prompt_logprobs.items():
-            entry = self._choices.get(seq_id)
+            entry = self._answers.get(seq_id)
             if entry is not None and entry[0].prompt_logprobs is not None:
                 entry[0].prompt_logprobs.extend(scored)
-        arrived: dict[str, list[tuple[Choice, Sampled]]] = {}
+        arrived: list[tuple[RequestState, Answer, Sampled, str]] = []
+        stopped: set[str] = set()
+        failed: dict[str, RequestState] = {}
         for chunk in plan.chunks:
             for seq_id in chunk.sampler_ids:
                 sampled = output.sampled.get(seq_id)
-                entry = self._choices.get(seq_id)
+                entry = self._answers.get(seq_id)
                 if sampled is None or entry is None:
                     continue
-                state, choice = entry
-                if state.status != "running" or choice.finish_reason is not None:
+                state, answer = entry
+                if state.ended or state.cancel_reason is not None:
                     continue
-                if state.cancel_reason is not None:
-                    continue  # ends at this boundary; the token is not delivered
-                arrived.setdefault(state.request_id, []).append((choice, sampled))
-        for request_id, tokens in arrived.items():
+                if answer.seq.status is not SequenceStatus.RUNNING:
+                    continue
+                token = sampled.token_id
+                if answer.grammar is not None and not answer.grammar.accept(token):
+                    # The mask allowed only grammar tokens; this is a grammar engine failure.
+                    failed[state.request_id] = state
+                    continue
+                detok = answer.detokenizer
+                if token in answer.seq.stop_token_ids:
+                    text = detok.flush()  # a stop token adds no text
+                else:
+                    text = detok.add(token)
+                    # A stop string, or a grammar that is complete and allows nothing more
+                    # (ending without the step that would only draw the end-of-sequence token).
+                    if detok.stopped or (answer.grammar is not None and answer.grammar.is_stopped):
+                        stopped.add(seq_id)
+                arrived.append((state, answer, sampled, text))
+        kept = {answer.seq_id: sampled.token_id for _, answer, sampled, _ in arrived}
+        self.scheduler.update_from_output(plan, kept, stopped)
+        by_request: dict[str, int] = {}
+        for state, _, _, _ in arrived:
+            by_request[state.request_id] = by_request.get(state.request_id, 0) + 1
+        for request_id, count in by_request.items():
             state = self._requests[request_id]
-            self.observer.on_token(state, now, len(tokens))  # sees the previous step's time
+            self.observer.on_token(state, now, count)  # sees the previous step's time
             if state.first_token_at is None:
                 state.first_token_at = now
             state.last_token_at = now
-            for choice, sampled in tokens:
-                if state.status == "running":
-                    self._deliver_token(state, choice, sampled, now)
+        for state, answer, sampled, text in arrived:
+            if state.ended or state.request_id in failed:
+                continue
+            self._deliver(state, answer, sampled, text, now)
+        for state in failed.values():
+            grammar = next((a.grammar for a in state.answers if a.grammar is not None), None)
+            error = EngineError(f"structured output failed: {grammar and grammar.error}")
+            self._end(state, SequenceStatus.FINISHED_ERROR, error=error)
 
-    def _deliver_token(
-        self, state: RequestState, choice: Choice, sampled: Sampled, now: float
+    def _deliver(
+        self, state: RequestState, answer: Answer, sampled: Sampled, text: str, now: float
     ) -> None:
+        """One token's delta; the answer's last one when its sequence finished."""
         token = sampled.token_id
-        if choice.grammar is not None and not choice.grammar.accept(token):
-            # The mask allowed only grammar tokens; this is a grammar engine failure.
-            error = EngineError(f"structured output failed: {choice.grammar.error}")
-            self._release(state, "error", error=error)
-            return
         logprobs = ()
         if sampled.logprob is not None:
             logprobs = (TokenLogprob(token, sampled.logprob, tuple(sampled.top_logprobs or ())),)
         prompt_logprobs = None
-        if state.prompt_logprobs is not None and len(choice.output_token_ids) == 1:
+        if state.prompt_logprobs is not None and len(answer.output_token_ids) == 1:
             prompt_logprobs = tuple(state.prompt_logprobs)
-        detok = choice.detokenizer
-        reason = None
-        if token in state.stop_token_ids:
-            reason = "stop"
-            text = detok.flush()
-        else:
-            text = detok.add(token)
-            if detok.stopped:
-                reason = "stop"
-            elif choice.grammar is not None and choice.grammar.is_stopped:
-                # The grammar is complete and allows nothing more: end without the step that
-                # would only draw the end-of-sequence token.
-                reason = "stop"
-                text += detok.flush()
-            elif len(choice.output_token_ids) >= state.max_tokens:
-                reason = "length"
-                text += detok.flush()
-        if reason is not None:
-            self._release(
-                state,
-                reason,
-                choice=choice,
-                text=text,
-                token_ids=(token,),
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                stop_sequence=detok.stop_reason,
+        delta = Delta(
+            text=text,
+            token_ids=(token,),
+            logprobs=logprobs,
+            timestamp=now,
+            index=answer.index,
+            prompt_logprobs=prompt_logprobs,
+        )
+        if answer.seq.is_finished:
+            delta = replace(
+                delta,
+                text=text + answer.detokenizer.flush(),
+                finish_reason=answer.finish_reason,
+                stop_sequence=answer.detokenizer.stop_reason,
             )
-        elif not state.stream.offer(
-            Delta(
-                text=text,
-                token_ids=(token,),
-                logprobs=logprobs,
-                timestamp=now,
-                index=choice.index,
-                prompt_logprobs=prompt_logprobs,
-            )
-        ):
+            self._finish_answer(state, answer, delta)
+        elif not state.stream.offer(delta):
+            self._drop_slow_consumer(state)
+
+    def _finish_answer(self, state: RequestState, answer: Answer, delta: Delta) -> None:
+        """An answer ended by itself: its last delta, and the request's end with its last
+        (answers that finished in the same step each hand out theirs first)."""
+        answer.ended = True
+        if all(other.ended for other in state.answers):
+            state.final_index = answer.index
+            self._end(state, answer.seq.status, delta=delta)
+            return
+        self._release(state, [answer])
+        if not state.stream.offer(delta):
             self._drop_slow_consumer(state)
 
     def _drop_slow_consumer(self, state: RequestState) -> None:
@@ -771,83 +847,59 @@ class Engine:
             "%s: client fell %d steps behind; dropping it", state.request_id, state.stream.capacity
         )
         self.observer.on_rejected("slow_consumer")
-        self._release(state, "slow_consumer")
+        self._end(state, SequenceStatus.FINISHED_SLOW_CONSUMER)
 
     def _fail(self, plan: StepPlan, exc: Exception) -> None:
         error = EngineError(f"internal error while generating: {type(exc).__name__}: {exc}")
         for seq_id in plan.touched_ids:
-            entry = self._choices.get(seq_id)
+            entry = self._answers.get(seq_id)
             if entry is not None:
-                self._release(entry[0], "error", error=error)
+                self._end(entry[0], SequenceStatus.FINISHED_ERROR, error=error)
 
     def _shutdown_requests(self) -> None:
         for state in list(self._requests.values()):
-            self._release(state, "shutdown", error=EngineStopped("the server is shutting down"))
+            self._end(
+                state,
+                SequenceStatus.FINISHED_SHUTDOWN,
+                error=EngineStopped("the server is shutting down"),
+            )
 
-    # -- the one release path ------------------------------------------------------------------
+    # -- the end of a request, and the one release path ----------------------------------------
 
-    def _release(
+    def _end(
         self,
         state: RequestState,
-        reason: str,
+        status: SequenceStatus,
         *,
-        choice: Choice | None = None,
-        text: str = "",
-        token_ids: tuple[int, ...] = (),
-        logprobs: tuple[TokenLogprob, ...] = (),
-        prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None,
         error: EngineError | None = None,
-        queued: bool = True,
-        stop_sequence: str | None = None,
+        delta: Delta | None = None,
     ) -> None:
-        """End a request however it ends, or with `choice` one of its answers (the request
-        ends with its last answer): slots and blocks back (or out of the queue), the stream
-        told the reason, and at the end the usage; observers told. Idempotent."""
-        if state.status == "finished":
+        """End the request however it ends: every answer not finished yet gets `status`, the
+        resources go back (`_release`), the stream gets its final delta (`delta`, the last
+        answer's, completed with the usage) and observers are told. Idempotent."""
+        if state.ended:
             return
         now = time.monotonic()
-        if choice is not None:
-            choice.finish_reason = reason
-            choice.grammar = None
-            self.scheduler.release(choice.seq_id)
-            if any(other.finish_reason is None for other in state.choices):
-                delta = Delta(
-                    text=text,
-                    token_ids=token_ids,
-                    logprobs=logprobs,
-                    finish_reason=reason,
-                    timestamp=now,
-                    index=choice.index,
-                    prompt_logprobs=prompt_logprobs,
-                    stop_sequence=stop_sequence,
-                )
-                if not state.stream.offer(delta):
-                    self._drop_slow_consumer(state)
-                return
-        if state.status == "running":
-            for other in state.choices:
-                self.scheduler.release(other.seq_id)
-                self._choices.pop(other.seq_id, None)
-        elif queued and state.status == "queued":
-            self.queue.cancel(state.request_id)
-        for other in state.choices:
-            other.grammar = None
-        state.status = "finished"
-        state.finish_reason = reason
+        for answer in state.answers:
+            if not answer.seq.is_finished:
+                answer.seq.status = status
+        if delta is None:
+            final = next((a for a in state.answers if a.seq.status is status), state.answers[0])
+            state.final_index = final.index
+            delta = Delta(finish_reason=status.finish_reason, index=final.index)
+        self._release(state, state.answers)
+        state.ended = True
         state.finished_at = now
         del self._requests[state.request_id]
-        state.stream.finish(
-            Delta(
-                text=text,
-                token_ids=token_ids,
-                logprobs=logprobs,
-                finish_reason=reason,
-                usage=state.usage(),
-                error=error,
-                timestamp=now,
-                index=0 if choice is None else choice.index,
-                prompt_logprobs=prompt_logprobs,
-                stop_sequence=stop_sequence,
-            )
-        )
+        state.stream.finish(replace(delta, usage=state.usage(), error=error, timestamp=now))
         self.observer.on_finished(state)
+
+    def _release(self, state: RequestState, answers: list[Answer]) -> None:
+        """Free what these answers hold: slots and blocks (or their place in the queue, or in
+        the line to resume) and their grammar states. Only frees; idempotent."""
+        for answer in answers:
+            self.scheduler.release(answer.seq_id)
+            answer.grammar = None
+            self._answers.pop(answer.seq_id, None)
+        if all(answer.seq.is_finished for answer in state.answers):
+            self.queue.cancel(state.request_id)

@@ -94,9 +94,11 @@ class Viewer:
 def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
     """The engine's slots, pool and queue as plain integers and ids (no text).
 
-    Call on the engine loop's thread. Pool blocks are listed by owner (`tables`); blocks held by
+    Call on the engine loop's thread. Pool blocks are listed by owner (`tables`), each table's
+    first `reserved[owner]` blocks taken at admission and the rest as it grew; blocks held by
     more than one owner appear in `shared` with their reference count, and blocks kept by the
-    prefix cache with no owner in `cached_free` (empty when prefix caching is off).
+    prefix cache with no owner in `cached_free` (empty when prefix caching is off). Preempted
+    sequences, first in line to resume, are listed in `preempted`.
     """
     embedder = engine.embedder
     embeddings = {
@@ -106,12 +108,15 @@ def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
     if not engine.generates:
         # An embedding-only engine has no slots, pool or generation queue to show.
         empty_pool = {"num_blocks": 0, "block_size": 0, "num_used": 0, "num_free": 0}
-        pool_view = {**empty_pool, "tables": {}, "shared": {}, "cached_free": []}
+        pool_view = {**empty_pool, "tables": {}, "reserved": {}, "shared": {}, "cached_free": []}
         return {
             "step": 0,
             "num_running": 0,
             "num_waiting": 0,
+            "num_preempted": 0,
+            "num_preemptions": 0,
             "slots": [],
+            "preempted": [],
             "pool": pool_view,
             "queue": [],
             "embeddings": embeddings,
@@ -122,18 +127,35 @@ def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
     running = scheduler.running if scheduler is not None else []
     for seq in running:
         slots[seq.slot] = {
-            "request_id": seq.request_id,
-            "phase": "prefill" if seq.is_prefilling else "decode",
+            "request_id": seq.seq_id,
+            "phase": (
+                "recompute" if seq.is_recomputing else "prefill" if seq.is_prefilling else "decode"
+            ),
             "num_prompt_tokens": seq.num_prompt_tokens,
             "num_computed": seq.num_computed,
             "num_output": seq.num_output,
             "max_tokens": seq.max_tokens,
+            "num_preemptions": seq.num_preemptions,
         }
+    preempted = (
+        [
+            {
+                "request_id": seq.seq_id,
+                "num_tokens": seq.num_tokens,
+                "num_preemptions": seq.num_preemptions,
+            }
+            for seq in scheduler.preempted
+        ]
+        if scheduler is not None
+        else []
+    )
     tables: dict[str, list[int]] = {}
+    reserved: dict[str, int] = {}
     shared: dict[str, int] = {}
     for owner in pool.owners():
         table = pool.table(owner)
         tables[owner] = list(table)
+        reserved[owner] = engine.kv.num_reserved(owner) if engine.kv.holds(owner) else len(table)
         for block_id in table:
             count = pool.refcount(block_id)
             if count > 1:
@@ -152,13 +174,17 @@ def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
         "step": engine.num_steps,
         "num_running": len(running),
         "num_waiting": len(queue),
+        "num_preempted": len(preempted),
+        "num_preemptions": engine.num_preemptions,
         "slots": slots,
+        "preempted": preempted,
         "pool": {
             "num_blocks": pool.num_blocks,
             "block_size": pool.block_size,
             "num_used": pool.num_used,
             "num_free": pool.num_free,
             "tables": tables,
+            "reserved": reserved,
             "shared": shared,
             "cached_free": cached_free,
         },
@@ -191,6 +217,7 @@ def engine_settings(engine: Engine) -> dict[str, Any]:
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "prefill_chunk": config.scheduler.prefill_chunk,
         "admission": config.scheduler.admission,
+        "reserve_tokens": config.scheduler.reserve_tokens,
         "num_blocks": engine.pool.num_blocks,
         "block_size": engine.pool.block_size,
         "max_model_len": engine.max_model_len,
@@ -232,6 +259,7 @@ class EngineEvents(EngineObserver):
         self._admitted: list[dict[str, Any]] = []
         self._finished: list[dict[str, Any]] = []
         self._refused: list[dict[str, Any]] = []
+        self._preemptions: list[dict[str, Any]] = []
         self._num_tokens = 0
         self._ttft: list[int] = []  # milliseconds, one per first token
         self._itl_sum = 0.0
@@ -344,6 +372,11 @@ class EngineEvents(EngineObserver):
         self._refused.append({"request_id": None, "reason": reason, "status": 429})
         self._soon()
 
+    def on_preempted(self, state: RequestState, num_sequences: int) -> None:
+        if not self._viewers:
+            return
+        self._preemptions.append({"request_id": state.request_id, "num_sequences": num_sequences})
+
     def on_embedding_finished(self, job: EmbeddingJob) -> None:
         if not self._viewers:
             return
@@ -434,6 +467,7 @@ class EngineEvents(EngineObserver):
             "admitted": self._admitted,
             "finished": self._finished,
             "refused": self._refused,
+            "preemptions": self._preemptions,
             "embedded": self._embedded,
             "embedding_batches": self._embedding_batches,
             "embedding_inputs": self._embedding_inputs,

@@ -50,6 +50,14 @@ class PoolSize:
             f"{self.num_bytes / 2**20:.1f} MiB ({self.source})"
         )
 
+    def capacity(self, max_model_len: int, answer_positions: int) -> str:
+        """How many full contexts, and how many answers of `answer_positions`, the pool holds."""
+        return (
+            f"holds {self.num_positions / max_model_len:.1f} full contexts of {max_model_len} "
+            f"positions, or {self.num_positions // answer_positions} typical answers of "
+            f"{answer_positions} positions"
+        )
+
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     per_token = config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
@@ -112,6 +120,11 @@ def choose_cache_dtype(requested: str, model) -> tuple[torch.dtype, str]:
     return model.dtype, f"auto: the model's dtype ({model_dtype}) with float linear layers"
 
 
+# The share of available memory the pool takes by default: on CUDA the weights are already
+# resident; on a CPU host the rest of the process (and the machine) shares the memory.
+DEFAULT_MEMORY_SHARE = {"cuda": 0.9, "cpu": 0.5}
+
+
 def choose_pool_size(
     config: ModelConfig,
     *,
@@ -121,25 +134,30 @@ def choose_pool_size(
     max_num_seqs: int,
     max_model_len: int,
     num_kv_blocks: int | None = None,
-    kv_cache_memory: int | None = None,
+    kv_cache_memory: int | float | None = None,
 ) -> PoolSize:
-    """Size the pool: an explicit block count, else a byte budget, else enough for every slot to
-    hold a full context, capped by a share of the memory that is free (90% on CUDA, where the
-    weights are already resident; 50% of host memory on CPU, which the rest of the process shares).
-    """
+    """Size the pool by memory: an explicit block count wins; else `kv_cache_memory`, bytes (an
+    int) or a fraction of the memory available now (a float in (0, 1]); by default 90% of the
+    free memory on CUDA, 50% of the available host memory on CPU. Neither fraction takes more
+    than every slot could ever fill (`max_num_seqs` full contexts)."""
     per_block = bytes_per_block(config, block_size, dtype)
     if num_kv_blocks is not None:
         return PoolSize(num_kv_blocks, block_size, per_block, "--num-kv-blocks")
-    if kv_cache_memory is not None:
+    if isinstance(kv_cache_memory, int):
         blocks = max(1, kv_cache_memory // per_block)
         return PoolSize(blocks, block_size, per_block, f"--kv-cache-memory {kv_cache_memory} B")
-    wanted = max_num_seqs * -(-max_model_len // block_size)
-    share = 0.9 if device.type == "cuda" else 0.5
-    cap = int(available_memory(device) * share) // per_block
-    blocks = max(1, min(wanted, cap))
-    why = f"{max_num_seqs} slots x {max_model_len} positions"
-    if blocks < wanted:
-        why += f", capped at {share:.0%} of free memory"
+    share = kv_cache_memory
+    if share is None:
+        share = DEFAULT_MEMORY_SHARE["cuda" if device.type == "cuda" else "cpu"]
+    available = available_memory(device)
+    blocks = max(1, int(available * share) // per_block)
+    why = f"{share:.0%} of the {available / 2**30:.1f} GiB available"
+    if kv_cache_memory is not None:
+        why = f"--kv-cache-memory {kv_cache_memory:g}: " + why
+    usable = max_num_seqs * -(-max_model_len // block_size)
+    if blocks > usable:
+        blocks = usable
+        why += f", capped at what {max_num_seqs} slots x {max_model_len} positions can fill"
     return PoolSize(blocks, block_size, per_block, why)
 
 

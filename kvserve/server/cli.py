@@ -110,7 +110,9 @@ def banner(engine: Engine, model_name: str, url: str, server_config: ServerConfi
             f"  {engine.loaded.describe_kernels()}",
             f"  {pool.describe()}",
             f"  pool bytes: {pool.num_blocks} blocks x {pool.bytes_per_block} bytes "
-            f"= {pool.num_bytes} bytes",
+            f"= {pool.num_bytes} bytes; "
+            + pool.capacity(engine.max_model_len, config.scheduler.reserve_tokens),
+            f"  admission: {_admission(config.scheduler)}",
             f"  slots: {slots}, queue: {config.queue.max_queue_per_slot} per slot "
             f"({slots * config.queue.max_queue_per_slot} waiters), wait budget "
             f"{config.queue.queue_timeout:g} s, max model len {engine.max_model_len}",
@@ -118,6 +120,16 @@ def banner(engine: Engine, model_name: str, url: str, server_config: ServerConfi
             f"  listening on {url}  (OpenAI base URL: {url}/v1; Ollama host: {url})",
         ]
     )
+
+
+def _admission(scheduler) -> str:
+    if scheduler.admission == "partial":
+        return (
+            f"partial (the prompt and the first {scheduler.reserve_tokens} answer positions "
+            "reserved; answers grow from the free pool, the latest arrival preempted by "
+            "recompute when it runs dry)"
+        )
+    return "reserve (the prompt and the whole answer budget reserved at admission)"
 
 
 def listen(host: str, port: int) -> socket.socket:

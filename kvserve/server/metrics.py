@@ -91,7 +91,9 @@ class ServerMetrics(EngineObserver):
             "kvserve:num_requests_running", "Requests holding a slot.", registry=r
         )
         self.num_requests_waiting = Gauge(
-            "kvserve:num_requests_waiting", "Requests in the admission queue.", registry=r
+            "kvserve:num_requests_waiting",
+            "Requests in the admission queue, and preempted sequences waiting to resume.",
+            registry=r,
         )
         self.kv_cache_usage = Gauge(
             "kvserve:kv_cache_usage_perc",
@@ -100,6 +102,14 @@ class ServerMetrics(EngineObserver):
         )
         self.num_kv_blocks = Gauge(
             "kvserve:num_kv_blocks", "Blocks in the KV cache pool.", registry=r
+        )
+        self.kv_cache_block_size = Gauge(
+            "kvserve:kv_cache_block_size", "Token positions per KV block.", registry=r
+        )
+        self.kv_cache_block_bytes = Gauge(
+            "kvserve:kv_cache_block_bytes",
+            "Bytes of one KV block (K and V of every layer).",
+            registry=r,
         )
         self.num_free_kv_blocks = Gauge(
             "kvserve:num_free_kv_blocks",
@@ -113,9 +123,11 @@ class ServerMetrics(EngineObserver):
         )
         for gauge, read in (
             (self.num_requests_running, lambda engine: engine.num_running),
-            (self.num_requests_waiting, lambda engine: engine.num_waiting),
+            (self.num_requests_waiting, lambda engine: engine.num_waiting + engine.num_preempted),
             (self.kv_cache_usage, lambda engine: engine.pool.usage),
             (self.num_kv_blocks, lambda engine: engine.pool.num_blocks),
+            (self.kv_cache_block_size, lambda engine: engine.pool.block_size),
+            (self.kv_cache_block_bytes, lambda engine: engine.pool_size.bytes_per_block),
             (self.num_free_kv_blocks, lambda engine: engine.pool.num_free),
             (self.num_cached_free_kv_blocks, lambda engine: engine.pool.num_cached_free),
         ):
@@ -125,6 +137,11 @@ class ServerMetrics(EngineObserver):
         )
         self.generation_tokens = Counter(
             "kvserve:generation_tokens", "Generated tokens.", registry=r
+        )
+        self.num_preemptions = Counter(
+            "kvserve:num_preemptions",
+            "Sequences preempted (their blocks given back, resumed later by recompute).",
+            registry=r,
         )
         self.prefix_cache_queries = Counter(
             "kvserve:prefix_cache_queries",
@@ -274,6 +291,9 @@ class ServerMetrics(EngineObserver):
 
     def on_rejected(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
+
+    def on_preempted(self, state: RequestState, num_sequences: int) -> None:
+        self.num_preemptions.inc(num_sequences)
 
     def on_embedding_finished(self, job: EmbeddingJob) -> None:
         outcome = job.outcome or "unknown"

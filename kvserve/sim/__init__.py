@@ -1,14 +1,15 @@
 """The scheduling simulator: the real `core/` Scheduler and BlockPool driven by a simulated step.
 
 No model and no torch: a step "computes" whatever the StepPlan says. See `simulator` for the
-loop and the default workload, `figure` for the HTML page and the PNG, `cli` for
-`kvserve simulate`.
+loop and the default workload, `policies` for the two policies shown beside the engine's,
+`figure` for the HTML page and the PNG, `cli` for `kvserve simulate`.
 """
 
 from kvserve.sim.simulator import (
     CONTINUOUS_RESERVE,
     CONTINUOUS_SLOT_ONLY,
     DEFAULT_WORKLOAD,
+    PARTIAL_PREEMPT,
     PREFIX_CACHING,
     REQUEST_LEVEL,
     SCENARIOS,
@@ -32,6 +33,7 @@ __all__ = [
     "CONTINUOUS_RESERVE",
     "CONTINUOUS_SLOT_ONLY",
     "DEFAULT_WORKLOAD",
+    "PARTIAL_PREEMPT",
     "PREFIX_CACHING",
     "REQUEST_LEVEL",
     "SCENARIOS",

@@ -30,6 +30,7 @@ WORKLOAD_FLAGS = {
     "block_size": "block_size",
     "prefill_chunk": "prefill_chunk",
     "max_num_batched_tokens": "max_num_batched_tokens",
+    "reserve_tokens": "reserve_tokens",
 }
 
 
@@ -54,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-chunk", type=int, metavar="N", help="prompt tokens per sequence per step"
     )
     group.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="rows per step")
+    group.add_argument(
+        "--reserve-tokens",
+        type=int,
+        metavar="N",
+        help="answer positions reserved at admission under partial reservation",
+    )
     group = parser.add_argument_group("output")
     group.add_argument("--html", metavar="FILE", help="write the interactive page here")
     group.add_argument("--png", metavar="FILE", help="write the static overview here")

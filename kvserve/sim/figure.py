@@ -116,11 +116,23 @@ def write_png(path: str | Path, results: Sequence[SimulationResult], dpi: int = 
         Patch(facecolor="#d9dde3", label="waiting at the door"),
         Patch(facecolor="white", edgecolor="#c62828", hatch="///", label="stuck"),
     ]
+    if any(outcome.preempted_steps for result in results for outcome in result.requests):
+        from matplotlib.lines import Line2D
+
+        handles.append(
+            Line2D([], [], color="#c62828", marker="x", linestyle="none", label="preempted")
+        )
     figure.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
     figure.suptitle(
         f"{len(workload.requests)} requests, {workload.num_slots} slots, "
         f"{workload.num_blocks} KV blocks of {workload.block_size} positions, prefill chunk "
-        f"{workload.prefill_chunk}, at most {workload.max_num_batched_tokens} rows per step\n"
+        f"{workload.prefill_chunk}, at most {workload.max_num_batched_tokens} rows per step"
+        + (
+            f", {workload.reserve_tokens} answer positions reserved by partial reservation"
+            if any(result.scenario.admission == "partial" for result in results)
+            else ""
+        )
+        + "\n"
         "left: KV blocks each request holds at every step (dashed: the whole pool); right: "
         "each request from arrival (grey: waiting, pale: prompt, solid: answer; in steps)",
         fontsize=10.5,
@@ -203,6 +215,8 @@ def _draw_timelines(axis: Any, result: SimulationResult, colors: dict, num_steps
             axis.barh(y, outcome.returned_step - first, left=first + 0.5, color=color, height=0.6)
         elif first is not None:
             axis.barh(y, last_step - first, left=first + 0.5, color=color, height=0.6)
+        for step in outcome.preempted_steps:
+            axis.plot(step, y, marker="x", color="#c62828", markersize=7, markeredgewidth=2)
         if outcome.status == "stuck":
             begin = result.stuck_step if result.stuck_step is not None else last_step
             _stuck_bar(axis, y, begin - 0.5, num_steps - 0.5)

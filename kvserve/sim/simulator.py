@@ -1,17 +1,20 @@
-"""The scheduling simulator: the real `core/` Scheduler and BlockPool driven by a simulated step.
+"""The scheduling simulator: the real `core/` Scheduler, KV manager and BlockPool driven by a
+simulated step.
 
 Each simulated step is the engine's loop with the forward pass left out:
 
-    arrivals at the door       scheduler.check, admit_or_enqueue
-    the admission round        admit_waiting
-    plan                       scheduler.schedule()
-    "compute" the plan         scheduler.update(plan): every planned row is taken as done
-    finished requests leave    scheduler.release(request_id)
+    arrivals at the door       scheduler.check, make_sequences, admit_or_enqueue
+    the admission round        admit_waiting (preempted requests resume first)
+    plan                       scheduler.schedule() (may preempt)
+    "compute" the plan         scheduler.update(plan, stopped): every planned row is taken as
+                               done, and a request that reached its answer length stops
+    finished requests leave    scheduler.release(seq_id)
 
-Every rule (whom to admit, which rows a step holds, when the pool runs dry) is the core's; this
-module only supplies arrivals, decides when a request has produced its whole answer, and
-records what the scheduler did. The scenarios differ only in the `SchedulerConfig` they hand
-to the core and, for the fourth, in a pool that caches prefixes: there each request's prompt
+Every rule (whom to admit, which rows a step holds, when the pool runs dry, whom to preempt) is
+the core's; this module only supplies arrivals, says when a request has produced its whole
+answer, and records what the scheduler did. The scenarios differ only in the `SchedulerConfig`
+they hand to the core, the policy (the core Scheduler, or one of the two of
+kvserve/sim/policies.py) and whether the pool caches prefixes: there each request's prompt
 is a list of token ids (the `shared_prefix` leading ones common to every request that has
 them), its full blocks are published once computed, and a later prompt that starts the same
 way takes them by reference instead of computing them.
@@ -25,33 +28,41 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvserve.config import Admission, Batching, SchedulerConfig
+from kvserve.config import Admission, SchedulerConfig
 from kvserve.core import (
     AdmissionQueue,
     BlockPool,
     Infeasible,
+    KVManager,
     Outcome,
     Prompt,
     Scheduler,
+    Sequence,
     StepPlan,
     Waiter,
     admit_or_enqueue,
     admit_waiting,
+    make_sequences,
 )
+from kvserve.sim.policies import POLICIES, RequestLevelScheduler
 
 Status = Literal["returned", "stuck", "refused", "unfinished"]
+Policy = Literal["continuous", "request", "slot-only"]
 
 # Why a request still waits at the door after the admission round, as the Scheduler answers it.
 QUEUE_REASONS = {
     "batch": "the running batch admits nobody until its last request returns",
     "slot": "every slot is taken",
-    "blocks": "a slot is free, but not the blocks for its prompt and whole answer",
+    "blocks": "a slot is free, but not the blocks its admission reserves",
     "order": "it may not overtake the head of the queue again",
+    "preempted": "a preempted request resumes before anyone new is admitted",
+    "resume": "preempted: it resumes, recomputing, once blocks for what it had are free",
 }
 
 
@@ -100,6 +111,7 @@ class Workload:
     block_size: int = 4
     prefill_chunk: int = 8
     max_num_batched_tokens: int = 12
+    reserve_tokens: int = 2  # answer positions "partial" admission reserves
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -114,6 +126,7 @@ class Workload:
             "block_size",
             "prefill_chunk",
             "max_num_batched_tokens",
+            "reserve_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
@@ -146,6 +159,7 @@ class Workload:
             "block_size",
             "prefill_chunk",
             "max_num_batched_tokens",
+            "reserve_tokens",
             "description",
         }
         unknown = set(data) - known
@@ -181,6 +195,11 @@ class Workload:
 #   shared system prompt). Once r4 has computed them, r5 and r6 take those two blocks by
 #   reference: each reserves two blocks fewer and prefills only the rest, so r5 is admitted a
 #   step sooner and both get their first token sooner; r7 finds room four steps sooner.
+# - partial reservation with preemption (no prefix cache, to compare with the second): each
+#   request is admitted with blocks for its prompt and the first 2 answer positions, so r5 is
+#   admitted a step sooner and r7 four. At step 12 r5 needs a block and none is free: r7, the
+#   latest arrival, is preempted, and at step 13 it resumes by recomputing its prompt and its
+#   first tokens. All seven return, the last three steps sooner than under full reservation.
 DEFAULT_WORKLOAD = Workload(
     requests=(
         RequestSpec("r1", arrival_step=0, num_prompt_tokens=15, answer_length=8),
@@ -215,14 +234,15 @@ def load_workload(path: str | Path) -> Workload:
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
-    """A scheduling policy: the admission and batching rules handed to the core's Scheduler."""
+    """A scheduling policy: the core config's admission rule, the scheduler class (the core's
+    own, or one of kvserve/sim/policies.py) and whether the pool caches prefixes."""
 
     name: str
     title: str
-    admission: Admission
-    batching: Batching
+    admission: Admission = "reserve"
+    policy: Policy = "continuous"
     summary: str = ""
-    prefix_caching: bool = False  # the pool publishes full prompt blocks for later prompts
+    prefix_caching: bool = False  # the pool publishes full computed blocks for later prompts
 
     def scheduler_config(self, workload: Workload) -> SchedulerConfig:
         """The core's config for this policy under `workload`'s constants."""
@@ -232,22 +252,25 @@ class Scenario:
             max_num_batched_tokens=workload.max_num_batched_tokens,
             prefill_chunk=workload.prefill_chunk,
             admission=self.admission,
-            batching=self.batching,
+            reserve_tokens=workload.reserve_tokens,
         )
+
+    def make_scheduler(self, config: SchedulerConfig, kv: KVManager, max_model_len: int):
+        """The scheduler this policy runs (kvserve.core.Scheduler or a subclass)."""
+        return POLICIES[self.policy](config, kv, max_model_len)
 
 
 REQUEST_LEVEL = Scenario(
     name="request",
     title="Request-level batching",
     admission="reserve",
-    batching="request",
+    policy="request",
     summary="A batch forms while nothing runs and runs to completion; then the next one forms.",
 )
 CONTINUOUS_RESERVE = Scenario(
     name="reserve",
     title="Continuous batching, reserve at admission",
     admission="reserve",
-    batching="continuous",
     summary=(
         "Requests join and leave at every step; admission takes a slot and blocks for the "
         "prompt and the whole answer budget together."
@@ -256,8 +279,7 @@ CONTINUOUS_RESERVE = Scenario(
 CONTINUOUS_SLOT_ONLY = Scenario(
     name="slot-only",
     title="Continuous batching, free slot alone",
-    admission="slot-only",
-    batching="continuous",
+    policy="slot-only",
     summary=(
         "Requests join as soon as a slot is free; blocks are taken only as positions need "
         "them, so the pool can run dry with every sequence half done."
@@ -267,7 +289,6 @@ PREFIX_CACHING = Scenario(
     name="prefix",
     title="Continuous batching, reserve at admission, prefix caching",
     admission="reserve",
-    batching="continuous",
     prefix_caching=True,
     summary=(
         "As with reservation, and a prompt's full blocks are published once computed: a later "
@@ -276,11 +297,25 @@ PREFIX_CACHING = Scenario(
         "blocks nobody holds stay cached until a fresh block is needed."
     ),
 )
+PARTIAL_PREEMPT = Scenario(
+    name="partial",
+    title="Continuous batching, reserve part of the answer, preempt by recompute",
+    admission="partial",
+    summary=(
+        "Admission takes a slot and blocks for the prompt and the first positions of the "
+        "answer; a sequence takes more blocks from the free pool as it grows. When none is "
+        "left, the request that arrived last is preempted: its slot and blocks are freed and "
+        "it waits first in line, then resumes by recomputing what it had (the engine's prefix "
+        "cache keeps its full blocks for that). The oldest request is never preempted, so it "
+        "always finishes."
+    ),
+)
 SCENARIOS: tuple[Scenario, ...] = (
     REQUEST_LEVEL,
     CONTINUOUS_RESERVE,
     CONTINUOUS_SLOT_ONLY,
     PREFIX_CACHING,
+    PARTIAL_PREEMPT,
 )
 
 
@@ -305,6 +340,8 @@ class SlotView:
     answer_length: int
     num_cached_tokens: int = 0  # prompt positions taken from the prefix cache at admission
     block_ids: tuple[int, ...] = ()  # its block table, shared blocks included
+    num_reserved_blocks: int = 0  # the table's first blocks, taken at admission; the rest grew
+    num_preemptions: int = 0  # times it was preempted so far
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +363,10 @@ class Frame:
     Slots, blocks and counts are taken after the step computed and before finished requests
     are released, so a request returned in this step is still drawn in its slot.
     `stalled_ids` are running sequences that got no rows; `queued_ids` wait at the door, each
-    for the reason (a key of `QUEUE_REASONS`) at the same index of `queue_reasons`.
+    for the reason (a key of `QUEUE_REASONS`) at the same index of `queue_reasons`; before them
+    `resuming_ids` are the preempted requests, first in line. `preempted_ids` were preempted by
+    this step's plan, `resumed_ids` resumed in its admission round. A block a request took
+    after its admission (it grew) is marked in `block_growth`.
     A block held by several requests (a shared prefix) names the first of them in
     `block_owners` and counts them all in `block_refs`; a cached block nobody holds has no
     owner, a count of 0, and keeps its positions (`block_fill`) for the next prompt.
@@ -348,6 +388,10 @@ class Frame:
     stuck: bool
     block_refs: tuple[int, ...] = ()  # how many running requests hold each block
     block_cached: tuple[bool, ...] = ()  # published in the prefix cache (held or not)
+    block_growth: tuple[bool, ...] = ()  # its owner took it after admission, as it grew
+    resuming_ids: tuple[str, ...] = ()
+    preempted_ids: tuple[str, ...] = ()
+    resumed_ids: tuple[str, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -374,6 +418,7 @@ class RequestOutcome:
     returned_step: int | None = None
     arrived_during_batch: bool = False  # a closed request-level batch was running at arrival
     reason: str | None = None  # why it is stuck, refused or unfinished
+    preempted_steps: tuple[int, ...] = ()  # the steps whose plans preempted it
 
     @property
     def time_to_first_token(self) -> int | None:
@@ -437,13 +482,15 @@ class _Progress:
     """The simulator's own record of a request while it runs."""
 
     spec: RequestSpec
-    answer_length: int = 0  # capped by the reserve the scheduler resolved
+    answer_length: int = 0  # capped by the budget the scheduler resolved
+    sequences: list[Sequence] = field(default_factory=list)
     admitted_step: int | None = None
     first_token_step: int | None = None
     returned_step: int | None = None
     arrived_during_batch: bool = False
     refusal: str | None = None
     done: bool = False
+    preempted_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -453,14 +500,17 @@ class _StepEvents:
     refused_ids: list[str] = field(default_factory=list)
     first_token_ids: list[str] = field(default_factory=list)
     returned_ids: list[str] = field(default_factory=list)
+    resumed_ids: list[str] = field(default_factory=list)
 
 
 def default_max_steps(workload: Workload) -> int:
     """A bound no run that makes progress can reach: after the last arrival every step that
-    is not stuck computes at least one row, and there are only so many rows to compute."""
+    is not stuck computes at least one row, and there are only so many rows to compute. A
+    preemption makes its victim compute its rows again, and each happens at a row that grows
+    an older request, so the rows are counted once more per request that could be preempted."""
     last_arrival = max(request.arrival_step for request in workload.requests)
     num_rows = sum(r.num_prompt_tokens + r.answer_length for r in workload.requests)
-    return last_arrival + num_rows + 1
+    return last_arrival + num_rows * len(workload.requests) + 1
 
 
 def simulate(
@@ -486,7 +536,7 @@ def simulate(
         if scenario.prefix_caching
         else {}
     )
-    scheduler = Scheduler(config, pool, workload.max_model_len)
+    scheduler = scenario.make_scheduler(config, KVManager(pool), workload.max_model_len)
     # Nobody is turned away or times out at the door here; the figure is about the step loop.
     queue = AdmissionQueue(
         max_waiters=len(workload.requests), timeout=math.inf, max_overtakes=config.max_num_seqs
@@ -503,42 +553,47 @@ def simulate(
             if request.arrival_step == step:
                 prompt = prompts.get(request.request_id)
                 _arrive(scheduler, queue, progress[request.request_id], step, events, prompt)
-        for waiter in admit_waiting(scheduler, queue, prompts.get):
+        for seq in scheduler.resume():
+            events.resumed_ids.append(seq.seq_id)
+        for waiter in admit_waiting(scheduler, queue):
             progress[waiter.request_id].admitted_step = step
             events.admitted_ids.append(waiter.request_id)
         # Asked before schedule(): under request-level batching planning closes the batch.
-        queue_reasons = tuple(
-            _queue_reason(scheduler, waiter, prompts.get(waiter.request_id))
-            for waiter in queue.waiters
-        )
+        queue_reasons = tuple(_queue_reason(scheduler, waiter) for waiter in queue.waiters)
         plan = scheduler.schedule()
         stuck = scheduler.is_stuck(plan)
         if stuck and stuck_step is None:
             stuck_step = step
             stuck_reason = _stuck_reason(scheduler, step)
+        for seq_id in plan.preempted_ids:
+            progress[seq_id].preempted_steps.append(step)
+        # A request stops by itself (as at an end-of-sequence token) at its answer length.
+        stopped = {
+            seq_id
+            for chunk in plan.chunks
+            for seq_id in chunk.sampler_ids
+            if scheduler.get(seq_id).num_output + 1 >= progress[seq_id].answer_length
+        }
         if prompts:
             # Token ids are known, so computed blocks are published: every sample is token 0.
             sampled = {seq_id: 0 for chunk in plan.chunks for seq_id in chunk.sampler_ids}
-            scheduler.update_from_output(plan, sampled)
+            finished = scheduler.update_from_output(plan, sampled, stopped)
         else:
-            scheduler.update(plan)
-        finished: list[str] = []
+            finished = scheduler.update(plan, stopped)
         for chunk in plan.chunks:
             seq = scheduler.get(chunk.request_id)
             record = progress[chunk.request_id]
-            if seq is None or not chunk.samples:
-                continue
-            if seq.num_output == 1:
+            if seq is not None and chunk.samples and record.first_token_step is None:
                 record.first_token_step = step
                 events.first_token_ids.append(chunk.request_id)
-            if seq.num_output >= record.answer_length:
-                record.returned_step = step
-                record.done = True
-                finished.append(chunk.request_id)
-                events.returned_ids.append(chunk.request_id)
+        for seq in finished:
+            record = progress[seq.seq_id]
+            record.returned_step = step
+            record.done = True
+            events.returned_ids.append(seq.seq_id)
         frames.append(_frame(scheduler, queue_reasons, queue, plan, step, stuck, events, progress))
-        for request_id in finished:
-            scheduler.release(request_id)
+        for seq in finished:
+            scheduler.release(seq.seq_id)
         if all(record.done for record in progress.values()):
             break
         if stuck and step >= last_arrival:
@@ -559,7 +614,7 @@ def simulate(
 
 
 def simulate_all(
-    workload: Workload, scenarios: Sequence[Scenario] = SCENARIOS
+    workload: Workload, scenarios: Seq[Scenario] = SCENARIOS
 ) -> list[SimulationResult]:
     """`simulate` for each scenario, in order."""
     return [simulate(workload, scenario) for scenario in scenarios]
@@ -585,17 +640,18 @@ def _arrive(
     spec = record.spec
     events.arrived_ids.append(spec.request_id)
     try:
-        reserve = scheduler.check(spec.num_prompt_tokens, spec.budget)
+        budget = scheduler.check(spec.num_prompt_tokens, spec.budget)
     except Infeasible as refused:
         record.refusal = refused.reason
         record.done = True
         events.refused_ids.append(spec.request_id)
         return
-    record.answer_length = min(spec.answer_length, reserve)
-    record.arrived_during_batch = not scheduler.batch_open
-    result = admit_or_enqueue(
-        scheduler, queue, spec.request_id, spec.num_prompt_tokens, reserve, float(step), prompt
+    record.answer_length = min(spec.answer_length, budget)
+    record.arrived_during_batch = (
+        isinstance(scheduler, RequestLevelScheduler) and not scheduler.batch_open
     )
+    record.sequences = make_sequences(spec.request_id, spec.num_prompt_tokens, budget, prompt)
+    result = admit_or_enqueue(scheduler, queue, record.sequences, float(step))
     if result is Outcome.ADMITTED:
         record.admitted_step = step
         events.admitted_ids.append(spec.request_id)
@@ -605,12 +661,14 @@ def _arrive(
         events.refused_ids.append(spec.request_id)
 
 
-def _queue_reason(scheduler: Scheduler, waiter: Waiter, prompt: Prompt | None = None) -> str:
-    if not scheduler.batch_open:
+def _queue_reason(scheduler: Scheduler, waiter: Waiter) -> str:
+    if isinstance(scheduler, RequestLevelScheduler) and not scheduler.batch_open:
         return "batch"
+    if scheduler.num_preempted:
+        return "preempted"
     if scheduler.num_free_slots == 0:
         return "slot"
-    if not scheduler.can_admit(waiter.num_prompt_tokens, waiter.reserve, prompt):
+    if not scheduler.can_admit(waiter.sequences):
         return "blocks"
     return "order"
 
@@ -634,21 +692,26 @@ def _frame(
     for block_id in () if cache is None else cache.cached_free_ids():
         # A cached block nobody holds keeps its KV (a published tail, only its first positions).
         fill[block_id] = cache.num_positions(block_id, block_size)
+    growth = [False] * pool.num_blocks
     for seq in scheduler.running:
-        table = pool.table(seq.request_id)
+        table = pool.table(seq.seq_id)
+        num_reserved = scheduler.kv.num_reserved(seq.seq_id)
         slots[seq.slot] = SlotView(
             slot=seq.slot,
-            request_id=seq.request_id,
+            request_id=seq.seq_id,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_computed=seq.num_computed,
             num_output=seq.num_output,
-            answer_length=progress[seq.request_id].answer_length,
+            answer_length=progress[seq.seq_id].answer_length,
             num_cached_tokens=seq.num_cached_tokens,
             block_ids=table,
+            num_reserved_blocks=num_reserved,
+            num_preemptions=seq.num_preemptions,
         )
         for index, block_id in enumerate(table):
             if owners[block_id] is None:
-                owners[block_id] = seq.request_id
+                owners[block_id] = seq.seq_id
+                growth[block_id] = index >= num_reserved
             written = min(max(seq.num_computed - index * block_size, 0), block_size)
             fill[block_id] = max(fill[block_id], written)
     rows = tuple(
@@ -682,14 +745,16 @@ def _frame(
             cache is not None and cache.is_published(block_id)
             for block_id in range(pool.num_blocks)
         ),
+        block_growth=tuple(growth),
+        resuming_ids=tuple(seq.seq_id for seq in scheduler.preempted),
+        preempted_ids=tuple(plan.preempted_ids),
+        resumed_ids=tuple(events.resumed_ids),
     )
 
 
 def _stuck_reason(scheduler: Scheduler, step: int) -> str:
     pool = scheduler.pool
-    held = ", ".join(
-        f"{seq.request_id} {len(pool.table(seq.request_id))}" for seq in scheduler.running
-    )
+    held = ", ".join(f"{seq.seq_id} {len(pool.table(seq.seq_id))}" for seq in scheduler.running)
     return (
         f"stuck at step {step}: {pool.num_used} of {pool.num_blocks} blocks are held ({held}), "
         f"{pool.num_free} free; no running sequence can grow, so none can finish and free "
@@ -739,6 +804,7 @@ def _outcome(
         returned_step=record.returned_step,
         arrived_during_batch=record.arrived_during_batch,
         reason=reason,
+        preempted_steps=tuple(record.preempted_steps),
     )
 
 
@@ -764,7 +830,11 @@ def format_table(result: SimulationResult) -> str:
     rows: list[tuple[str, ...]] = []
     for outcome in result.requests:
         if outcome.status == "returned":
-            note = "arrived while a batch ran" if outcome.arrived_during_batch else ""
+            notes = ["arrived while a batch ran"] if outcome.arrived_during_batch else []
+            if outcome.preempted_steps:
+                steps = ", ".join(str(step) for step in outcome.preempted_steps)
+                notes.append(f"preempted at step {steps}")
+            note = "; ".join(notes)
             returned = cell(outcome.returned_step)
         else:
             note = outcome.reason or ""

@@ -61,7 +61,8 @@ const KVView = (() => {
     return ids.length ? ids.map((id) => view.label(id)).join(", ") : "";
   }
 
-  // queued: [{request_id, reason (a short key), why (its sentence), wait (text or "")}]
+  // queued: [{request_id, reason (a short key), why (its sentence), wait (text or ""),
+  // preempted (a preempted request waiting to resume, first in line)}]
   function drawQueue(box, textBox, queued, colorOf) {
     box.replaceChildren();
     textBox.replaceChildren();
@@ -73,6 +74,10 @@ const KVView = (() => {
     for (const q of queued) {
       const node = chip(q.request_id, colorOf(q.request_id), q.wait ? ` ${q.wait}` : "");
       node.classList.add("queued");
+      if (q.preempted) {
+        node.classList.add("preempted");
+        node.dataset.preempted = "true";
+      }
       node.dataset.request = q.request_id;
       node.title = q.why || "";
       box.append(node);
@@ -84,7 +89,7 @@ const KVView = (() => {
   }
 
   // slots: one entry per slot, null when free, else {request_id, num_prompt_tokens,
-  // num_computed, num_output, answer_length, returned, stalled, phase}
+  // num_computed, num_output, answer_length, returned, stalled, phase, num_preemptions}
   function drawSlots(box, slots, colorOf) {
     box.replaceChildren();
     slots.forEach((slot, index) => {
@@ -105,6 +110,11 @@ const KVView = (() => {
       body.append(el("div", { class: "bar" },
         el("span", { style: `width:${100 * prompt / total}%;background:${pale(color)}` }),
         el("span", { style: `width:${100 * slot.num_output / total}%;background:${color}` })));
+      if (slot.num_preemptions) {
+        body.append(el("span", { class: "preempt-note",
+                                 text: ` preempted ${slot.num_preemptions}\u00d7` }));
+        row.dataset.preemptions = String(slot.num_preemptions);
+      }
       if (slot.phase) row.dataset.phase = slot.phase;
       if (slot.returned) row.classList.add("returned");
       if (slot.stalled) row.classList.add("is-stalled");
@@ -112,8 +122,9 @@ const KVView = (() => {
     });
   }
 
-  // blocks: [{owner (id or ""), fill (positions written), refcount, cached}]; a block with
-  // refcount > 1 is shared by several owners, a cached one keeps a prefix nobody holds.
+  // blocks: [{owner (id or ""), fill (positions written), refcount, cached, growth}]; a block
+  // with refcount > 1 is shared by several owners, a cached one keeps a prefix nobody holds, a
+  // growth one was taken by its owner after admission (beyond what admission reserved).
   function drawPool(box, blocks, blockSize, colorOf) {
     box.replaceChildren();
     const perCell = Math.max(1, Math.ceil(blockSize / 16));  // at most 16 cells a block
@@ -129,8 +140,10 @@ const KVView = (() => {
       const classes = ["block"];
       if (!owner) classes.push(block.cached ? "cached" : "free");
       if ((block.refcount || 0) > 1) classes.push("shared");
+      if (owner && block.growth) classes.push("growth");
       let title = owner ? `block ${blockId}: ${owner}, ${block.fill} positions written` : `block ${blockId}: free`;
       if ((block.refcount || 0) > 1) title += `, shared by ${block.refcount}`;
+      if (owner && block.growth) title += ", taken as it grew (not reserved at admission)";
       if (block.cached) title = `block ${blockId}: cached prefix, free to reuse`;
       const label = owner ? `${blockId} ${view.label(owner)}` : `${blockId}`;
       const node = el("div", { class: classes.join(" "), "data-block": String(blockId),
@@ -138,6 +151,7 @@ const KVView = (() => {
                       cells, el("div", { class: "label", text: label }));
       if ((block.refcount || 0) > 1) node.dataset.refcount = String(block.refcount);
       if (block.cached) node.dataset.cached = "true";
+      if (owner && block.growth) node.dataset.growth = "true";
       box.append(node);
     });
   }

@@ -643,3 +643,11 @@ def test_importing_the_load_generator_does_not_import_torch() -> None:
     code = "import sys, kvserve.bench.loadgen; sys.exit('torch' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env).returncode == 0
+
+
+def test_a_run_without_output_len_sends_no_max_tokens() -> None:
+    from kvserve.bench.loadgen import BenchConfig, request_body
+
+    body = request_body(BenchConfig(output_len=None), "m", "hello")
+    assert "max_tokens" not in body and body["messages"][0]["content"] == "hello"
+    assert request_body(BenchConfig(output_len=7), "m", "hello")["max_tokens"] == 7

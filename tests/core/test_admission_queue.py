@@ -7,10 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvserve.config import QueueConfig, SchedulerConfig
+from kvserve.config import QueueConfig
 from kvserve.core import (
     AdmissionQueue,
-    BlockPool,
     CapacitySignal,
     Outcome,
     Scheduler,
@@ -18,6 +17,18 @@ from kvserve.core import (
     admit_or_enqueue,
     admit_waiting,
 )
+from tests.core.helpers import admit, can_admit, make_scheduler, sequences
+
+
+def scheduler_of(max_num_seqs: int, num_blocks: int, max_model_len: int = 32) -> Scheduler:
+    return make_scheduler(
+        num_blocks=num_blocks,
+        block_size=4,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        admission="reserve",
+    )
+
 
 # -- the signal ----------------------------------------------------------------------------------
 
@@ -45,7 +56,7 @@ def admit_ids(queue: AdmissionQueue, admissible: set[str]) -> list[str]:
 def test_the_head_is_overtaken_at_most_k_times(max_overtakes: int) -> None:
     queue = AdmissionQueue(max_waiters=10, timeout=30.0, max_overtakes=max_overtakes)
     for request_id in ["head", "w1", "w2", "w3", "w4"]:
-        queue.offer(request_id, 10, 10, now=0.0)
+        queue.offer(request_id, now=0.0)
     behind = {"w1", "w2", "w3", "w4"}
     assert admit_ids(queue, behind) == ["w1", "w2", "w3", "w4"][:max_overtakes]
     head = queue.get("head")
@@ -62,7 +73,7 @@ def test_the_head_is_overtaken_at_most_k_times(max_overtakes: int) -> None:
 def test_overtakes_accumulate_across_passes() -> None:
     queue = AdmissionQueue(max_waiters=10, timeout=30.0, max_overtakes=2)
     for request_id in ["head", "w1", "w2", "w3"]:
-        queue.offer(request_id, 10, 10, now=0.0)
+        queue.offer(request_id, now=0.0)
     assert admit_ids(queue, {"w1"}) == ["w1"]
     assert admit_ids(queue, {"w2", "w3"}) == ["w2"]
     assert [w.request_id for w in queue.waiters] == ["head", "w3"]
@@ -71,7 +82,7 @@ def test_overtakes_accumulate_across_passes() -> None:
 def test_a_new_head_starts_with_a_fresh_overtake_count() -> None:
     queue = AdmissionQueue(max_waiters=10, timeout=30.0, max_overtakes=1)
     for request_id in ["head", "second", "third", "fourth"]:
-        queue.offer(request_id, 10, 10, now=0.0)
+        queue.offer(request_id, now=0.0)
     # head admitted first; "second" becomes the head and is overtaken once by "fourth".
     assert admit_ids(queue, {"head", "fourth"}) == ["head", "fourth"]
     second = queue.get("second")
@@ -92,7 +103,7 @@ def test_fifo_with_k_overtakes_property(max_overtakes: int, passes: list[set[int
     remaining overtakes allow."""
     queue = AdmissionQueue(max_waiters=8, timeout=30.0, max_overtakes=max_overtakes)
     for index in range(8):
-        queue.offer(f"r{index}", 1, 1, now=0.0)
+        queue.offer(f"r{index}", now=0.0)
     head: int | None = None
     head_overtaken = 0
     for admissible in passes:
@@ -120,19 +131,19 @@ def test_fifo_with_k_overtakes_property(max_overtakes: int, passes: list[set[int
 
 def test_queue_full_refuses_without_taking_a_place() -> None:
     queue = AdmissionQueue(max_waiters=2, timeout=30.0, max_overtakes=0)
-    assert queue.offer("a", 1, 1, now=0.0) is not None
-    assert queue.offer("b", 1, 1, now=0.0) is not None
-    assert queue.offer("c", 1, 1, now=0.0) is None
+    assert queue.offer("a", now=0.0) is not None
+    assert queue.offer("b", now=0.0) is not None
+    assert queue.offer("c", now=0.0) is None
     assert len(queue) == 2 and "c" not in queue
     assert queue.cancel("c") is None
     queue.cancel("a")
-    assert queue.offer("c", 1, 1, now=1.0) is not None
+    assert queue.offer("c", now=1.0) is not None
 
 
 def test_the_deadline_is_the_queues_own() -> None:
     queue = AdmissionQueue(max_waiters=4, timeout=30.0, max_overtakes=0)
-    first = queue.offer("a", 1, 1, now=100.0)
-    second = queue.offer("b", 1, 1, now=105.0)
+    first = queue.offer("a", now=100.0)
+    second = queue.offer("b", now=105.0)
     assert first is not None and second is not None
     assert (first.enqueued_at, first.deadline) == (100.0, 130.0)
     assert queue.next_deadline == 130.0
@@ -145,8 +156,8 @@ def test_the_deadline_is_the_queues_own() -> None:
 
 def test_cancel_after_timeout_and_timeout_after_cancel_are_no_ops() -> None:
     queue = AdmissionQueue(max_waiters=4, timeout=10.0, max_overtakes=0)
-    queue.offer("timed-out", 1, 1, now=0.0)
-    queue.offer("cancelled", 1, 1, now=0.0)
+    queue.offer("timed-out", now=0.0)
+    queue.offer("cancelled", now=0.0)
     cancelled = queue.cancel("cancelled")
     assert cancelled is not None and cancelled.request_id == "cancelled"
     assert queue.cancel("cancelled") is None
@@ -157,14 +168,12 @@ def test_cancel_after_timeout_and_timeout_after_cancel_are_no_ops() -> None:
 
 
 def test_each_request_ends_in_exactly_one_of_four_outcomes() -> None:
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=1), BlockPool(num_blocks=8, block_size=4), max_model_len=32
-    )
+    scheduler = scheduler_of(1, 8)
     queue = AdmissionQueue(max_waiters=3, timeout=10.0, max_overtakes=0)
     outcomes: dict[str, Outcome] = {}
 
     def arrive(request_id: str, now: float) -> None:
-        result = admit_or_enqueue(scheduler, queue, request_id, 4, 4, now)
+        result = admit_or_enqueue(scheduler, queue, sequences(request_id, 4, 4), now)
         if isinstance(result, Outcome):
             outcomes[request_id] = result
 
@@ -200,27 +209,25 @@ def test_each_request_ends_in_exactly_one_of_four_outcomes() -> None:
 
 
 def test_admit_or_enqueue_never_overtakes_a_waiter() -> None:
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=2), BlockPool(num_blocks=4, block_size=4), max_model_len=32
-    )
+    scheduler = scheduler_of(2, 4)
     queue = AdmissionQueue(max_waiters=4, timeout=10.0, max_overtakes=0)
-    assert admit_or_enqueue(scheduler, queue, "big", 4, 8, 0.0) is Outcome.ADMITTED  # 3 blocks
-    waiting = admit_or_enqueue(scheduler, queue, "needs-two", 4, 4, 0.0)
+    assert (
+        admit_or_enqueue(scheduler, queue, sequences("big", 4, 8), 0.0) is Outcome.ADMITTED
+    )  # 3 blocks
+    waiting = admit_or_enqueue(scheduler, queue, sequences("needs-two", 4, 4), 0.0)
     assert isinstance(waiting, Waiter)
-    assert scheduler.can_admit(2, 2)  # one block would fit ...
-    small = admit_or_enqueue(scheduler, queue, "small", 2, 2, 0.0)
+    assert can_admit(scheduler, 2, 2)  # one block would fit ...
+    small = admit_or_enqueue(scheduler, queue, sequences("small", 2, 2), 0.0)
     assert isinstance(small, Waiter)  # ... but someone is already waiting
     assert [w.request_id for w in queue.waiters] == ["needs-two", "small"]
     assert small.arrival > waiting.arrival > scheduler.running[0].arrival
 
 
 def test_a_queue_of_zero_still_admits_what_fits_at_once() -> None:
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=1), BlockPool(num_blocks=4, block_size=4), max_model_len=32
-    )
+    scheduler = scheduler_of(1, 4)
     queue = AdmissionQueue.from_config(QueueConfig(max_queue_per_slot=0), num_slots=1)
-    assert admit_or_enqueue(scheduler, queue, "a", 4, 4, 0.0) is Outcome.ADMITTED
-    assert admit_or_enqueue(scheduler, queue, "b", 4, 4, 0.0) is Outcome.QUEUE_FULL
+    assert admit_or_enqueue(scheduler, queue, sequences("a", 4, 4), 0.0) is Outcome.ADMITTED
+    assert admit_or_enqueue(scheduler, queue, sequences("b", 4, 4), 0.0) is Outcome.QUEUE_FULL
 
 
 def test_from_config_sizes_the_queue_per_slot_and_defaults_overtakes_to_slots() -> None:
@@ -243,17 +250,12 @@ def test_a_burst_of_releases_wakes_the_driver_once_and_leaves_no_admissible_wait
     num_running: int, waiter_sizes: list[int], num_released: int, max_overtakes: int
 ) -> None:
     num_released = min(num_released, num_running)
-    block_size = 4
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=6),
-        BlockPool(num_blocks=6 * 4, block_size=block_size),
-        max_model_len=64,
-    )
+    scheduler = scheduler_of(6, 6 * 4, max_model_len=64)
     queue = AdmissionQueue(max_waiters=16, timeout=30.0, max_overtakes=max_overtakes)
     for index in range(num_running):
-        assert scheduler.admit(f"run{index}", 8, 8, arrival=index) is not None  # 4 blocks each
+        assert admit(scheduler, f"run{index}", 8, 8, index) is not None  # 4 blocks each
     for index, size in enumerate(waiter_sizes):
-        queue.offer(f"wait{index}", size, size, now=0.0)
+        queue.offer(f"wait{index}", 0.0, sequences(f"wait{index}", size, size))
     admit_waiting(scheduler, queue)
     assert not scheduler.capacity.pending
 
@@ -274,7 +276,7 @@ def test_a_burst_of_releases_wakes_the_driver_once_and_leaves_no_admissible_wait
     waiters = queue.waiters
     if waiters:
         head = waiters[0]
-        assert not scheduler.can_admit(head.num_prompt_tokens, head.reserve)
+        assert not scheduler.can_admit(head.sequences)
         if head.num_overtaken < max_overtakes:
             for waiter in waiters[1:]:
-                assert not scheduler.can_admit(waiter.num_prompt_tokens, waiter.reserve)
+                assert not scheduler.can_admit(waiter.sequences)

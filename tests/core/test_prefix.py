@@ -6,32 +6,25 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.config import SchedulerConfig
-from kvserve.core import BlockPool, Prompt, Scheduler, block_hashes, choice_id
+from kvserve.core import Prompt, Scheduler, block_hashes, sequence_id
 from kvserve.core.prefix import chain_hash, root_hash
+from tests.core.helpers import admit, can_admit, make_scheduler, run
 
 BS = 4
 
 
-def make(num_blocks: int = 16, slots: int = 4, caching: bool = True, **config) -> Scheduler:
-    pool = BlockPool(num_blocks, BS, prefix_caching=caching)
-    return Scheduler(SchedulerConfig(max_num_seqs=slots, **config), pool, max_model_len=256)
-
-
-def run(scheduler: Scheduler, token: int = 7) -> list:
-    """One step; every sampled sequence gets `token`."""
-    plan = scheduler.schedule()
-    sampled = {seq_id: token for chunk in plan.chunks for seq_id in chunk.sampler_ids}
-    scheduler.update_from_output(plan, sampled)
-    return plan
-
-
-def drain(scheduler: Scheduler) -> None:
-    while scheduler.running:
-        run(scheduler)
-        for seq in scheduler.running:
-            if seq.has_reached_max_tokens:
-                scheduler.release(seq.request_id)
+def make(
+    num_blocks: int = 16, slots: int = 4, caching: bool = True, admission="reserve", **config
+) -> Scheduler:
+    return make_scheduler(
+        num_blocks=num_blocks,
+        block_size=BS,
+        max_model_len=256,
+        caching=caching,
+        max_num_seqs=slots,
+        admission=admission,
+        **config,
+    )
 
 
 def test_hashes_chain_from_the_salt_and_cover_full_blocks_only() -> None:
@@ -50,7 +43,7 @@ def test_hashes_chain_from_the_salt_and_cover_full_blocks_only() -> None:
 def test_a_second_request_reuses_published_blocks_and_computes_the_rest() -> None:
     scheduler = make()
     prompt = tuple(range(1, 11))  # 10 tokens: 2 full blocks
-    scheduler.admit("a", 10, 2, 0, Prompt(prompt))
+    admit(scheduler, "a", 10, 2, 0, Prompt(prompt))
     assert scheduler.get("a").num_cached_tokens == 0
     run(scheduler)  # the whole prompt in one chunk; both full blocks are published
     assert scheduler.pool.cache.num_cached == 2
@@ -58,7 +51,7 @@ def test_a_second_request_reuses_published_blocks_and_computes_the_rest() -> Non
     scheduler.release("a")
     # Both full blocks, and the tail (positions 8, 9 of the third block: tokens 9, 10).
     assert scheduler.pool.num_cached_free == 3
-    seq = scheduler.admit("b", 10, 2, 1, Prompt(prompt))
+    seq = admit(scheduler, "b", 10, 2, 1, Prompt(prompt))
     # Two blocks by reference, then one position of the tail by copy: the last prompt token
     # is computed.
     assert seq.num_cached_tokens == 9 and seq.num_computed == 9
@@ -78,10 +71,10 @@ def test_a_second_request_reuses_published_blocks_and_computes_the_rest() -> Non
 def test_a_prompt_of_whole_blocks_still_computes_its_last_token() -> None:
     scheduler = make()
     prompt = tuple(range(1, 9))  # exactly 2 blocks
-    scheduler.admit("a", 8, 1, 0, Prompt(prompt))
+    admit(scheduler, "a", 8, 1, 0, Prompt(prompt))
     run(scheduler)
     scheduler.release("a")
-    seq = scheduler.admit("b", 8, 1, 1, Prompt(prompt))
+    seq = admit(scheduler, "b", 8, 1, 1, Prompt(prompt))
     assert seq.num_cached_tokens == 4  # one block: the second holds the token to sample from
     plan = run(scheduler)
     assert [(c.start, c.num_tokens, c.samples) for c in plan.chunks] == [(4, 4, True)]
@@ -90,27 +83,27 @@ def test_a_prompt_of_whole_blocks_still_computes_its_last_token() -> None:
 def test_salts_never_share_and_no_prompt_means_no_lookup() -> None:
     scheduler = make()
     prompt = tuple(range(1, 11))
-    scheduler.admit("a", 10, 1, 0, Prompt(prompt, salt="x"))
+    admit(scheduler, "a", 10, 1, 0, Prompt(prompt, salt="x"))
     run(scheduler)
     scheduler.release("a")
-    assert scheduler.admit("b", 10, 1, 1, Prompt(prompt, salt="y")).num_cached_tokens == 0
-    assert scheduler.admit("c", 10, 1, 2, Prompt(prompt)).num_cached_tokens == 0
-    assert scheduler.admit("d", 10, 1, 3).num_cached_tokens == 0
-    assert scheduler.admit("e", 10, 1, 4, Prompt(prompt, salt="x")).num_cached_tokens == 9
+    assert admit(scheduler, "b", 10, 1, 1, Prompt(prompt, salt="y")).num_cached_tokens == 0
+    assert admit(scheduler, "c", 10, 1, 2, Prompt(prompt)).num_cached_tokens == 0
+    assert admit(scheduler, "d", 10, 1, 3).num_cached_tokens == 0
+    assert admit(scheduler, "e", 10, 1, 4, Prompt(prompt, salt="x")).num_cached_tokens == 9
 
 
 def test_reservation_counts_only_blocks_still_to_fill() -> None:
     scheduler = make(num_blocks=5)
     prompt = tuple(range(1, 13))  # 12 tokens: 3 blocks
-    scheduler.admit("a", 12, 4, 0, Prompt(prompt))  # 4 blocks
+    admit(scheduler, "a", 12, 4, 0, Prompt(prompt))  # 4 blocks
     run(scheduler)
     # 4 blocks held, 1 free: a copy without the cache could not be admitted.
-    assert not scheduler.can_admit(12, 4)
+    assert not can_admit(scheduler, 12, 4)
     # With the cache, 2 blocks are hits (the third holds the last prompt token): 2 fresh.
-    assert not scheduler.can_admit(12, 4, Prompt(prompt))
+    assert not can_admit(scheduler, 12, 4, Prompt(prompt))
     scheduler.release("a")
     assert scheduler.pool.num_cached_free == 3
-    seq = scheduler.admit("b", 12, 4, 1, Prompt(prompt))
+    seq = admit(scheduler, "b", 12, 4, 1, Prompt(prompt))
     assert seq.num_cached_tokens == 8
     # The third published block was not a hit; it is evicted now only if a fresh block is
     # needed, and b needed 2 of the 2 free + 1 cached-free.
@@ -120,14 +113,14 @@ def test_reservation_counts_only_blocks_still_to_fill() -> None:
 
 def test_eviction_takes_the_least_recently_freed_and_only_when_the_free_list_is_empty() -> None:
     scheduler = make(num_blocks=4)
-    scheduler.admit("a", 8, 1, 0, Prompt(tuple(range(1, 9))))
+    admit(scheduler, "a", 8, 1, 0, Prompt(tuple(range(1, 9))))
     run(scheduler)
     scheduler.release("a")
     pool = scheduler.pool
     assert pool.num_cached_free == 2 and pool.num_free == 4
-    scheduler.admit("b", 3, 1, 1, Prompt((50, 51, 52)))  # one fresh block from the free list
+    admit(scheduler, "b", 3, 1, 1, Prompt((50, 51, 52)))  # one fresh block from the free list
     assert pool.num_cached_free == 2
-    scheduler.admit("c", 7, 1, 2, Prompt(tuple(range(60, 67))))  # 2 blocks: 1 free, 1 evicted
+    admit(scheduler, "c", 7, 1, 2, Prompt(tuple(range(60, 67))))  # 2 blocks: 1 free, 1 evicted
     assert pool.num_cached_free == 1
     assert pool.check_whole()
 
@@ -135,7 +128,7 @@ def test_eviction_takes_the_least_recently_freed_and_only_when_the_free_list_is_
 def test_a_failed_step_publishes_nothing() -> None:
     scheduler = make()
     prompt = tuple(range(1, 11))
-    scheduler.admit("a", 10, 1, 0, Prompt(prompt))
+    admit(scheduler, "a", 10, 1, 0, Prompt(prompt))
     plan = scheduler.schedule()
     scheduler.abort(plan)
     scheduler.release("a")
@@ -146,9 +139,9 @@ def test_a_failed_step_publishes_nothing() -> None:
 def test_n_answers_prefill_once_then_share_full_blocks_and_copy_the_partial_one() -> None:
     scheduler = make(num_blocks=16)
     prompt = tuple(range(1, 11))  # 2 full blocks + 2 tokens
-    leader = scheduler.admit("r", 10, 3, 0, Prompt(prompt, n=3))
-    ids = [choice_id("r", i) for i in range(3)]
-    assert leader.request_id == "r" and [s.request_id for s in scheduler.running] == ids
+    leader = admit(scheduler, "r", 10, 3, 0, Prompt(prompt, n=3))
+    ids = [sequence_id("r", i) for i in range(3)]
+    assert leader.seq_id == "r" and [s.seq_id for s in scheduler.running] == ids
     # reserve prompt once plus 3 answers: 4 blocks for the leader, 2 for each follower
     assert scheduler.pool.num_used == 4 + 2 * 2
     plan = scheduler.schedule()
@@ -177,15 +170,15 @@ def test_n_answers_prefill_once_then_share_full_blocks_and_copy_the_partial_one(
 def test_n_answers_are_admitted_all_or_nothing() -> None:
     scheduler = make(num_blocks=7, slots=4)
     prompt = tuple(range(1, 11))
-    assert not scheduler.can_admit(10, 3, Prompt(prompt, n=3))  # needs 8 blocks
-    assert scheduler.admit("r", 10, 3, 0, Prompt(prompt, n=3)) is None
+    assert not can_admit(scheduler, 10, 3, Prompt(prompt, n=3))  # needs 8 blocks
+    assert admit(scheduler, "r", 10, 3, 0, Prompt(prompt, n=3)) is None
     assert scheduler.pool.num_used == 0 and scheduler.num_free_slots == 4
-    assert not make(slots=2).can_admit(10, 3, Prompt(prompt, n=3))
+    assert not can_admit(make(slots=2), 10, 3, Prompt(prompt, n=3))
 
 
 def test_releasing_a_leader_before_its_prompt_is_done_releases_its_followers() -> None:
     scheduler = make()
-    scheduler.admit("r", 10, 3, 0, Prompt(tuple(range(1, 11)), n=2))
+    admit(scheduler, "r", 10, 3, 0, Prompt(tuple(range(1, 11)), n=2))
     scheduler.release("r")
     assert scheduler.num_running == 0 and scheduler.pool.num_used == 0
 
@@ -225,7 +218,7 @@ def test_any_mix_drains_to_a_whole_pool(specs, num_blocks, chunk) -> None:
                 pending.pop(0)
                 continue
             request_id = f"q{index}"
-            if scheduler.admit(request_id, len(prompt), reserve, arrival, Prompt(prompt, salt, n)):
+            if admit(scheduler, request_id, len(prompt), reserve, arrival, Prompt(prompt, salt, n)):
                 arrival += 1
                 pending.pop(0)
                 ages[request_id] = (n, cancel_at)
@@ -236,14 +229,14 @@ def test_any_mix_drains_to_a_whole_pool(specs, num_blocks, chunk) -> None:
         run(scheduler, token=3)
         assert scheduler.pool.check_whole()
         for request_id, (n, cancel_at) in list(ages.items()):
-            ids = [choice_id(request_id, i) for i in range(n)]
+            ids = [sequence_id(request_id, i) for i in range(n)]
             ages[request_id] = (n, cancel_at - 1)
             if cancel_at == 0:  # a disconnect ends every answer, mid-prefill or not
                 for seq_id in ids:
                     scheduler.release(seq_id)
             for seq_id in ids:
                 seq = scheduler.get(seq_id)
-                if seq is not None and seq.has_reached_max_tokens:
+                if seq is not None and seq.is_finished:
                     scheduler.release(seq_id)
             if all(scheduler.get(seq_id) is None for seq_id in ids):
                 del ages[request_id]
@@ -258,7 +251,7 @@ def test_a_chat_turn_reuses_the_previous_answer_up_to_its_last_token() -> None:
     position turn 1 computed (all but the last sampled token, which never had KV)."""
     scheduler = make(num_blocks=16)
     first = tuple(range(1, 9))  # 2 blocks
-    scheduler.admit("t1", 8, 3, 0, Prompt(first))
+    admit(scheduler, "t1", 8, 3, 0, Prompt(first))
     answer = []
     for token in (41, 42, 43):
         run(scheduler, token)
@@ -267,7 +260,7 @@ def test_a_chat_turn_reuses_the_previous_answer_up_to_its_last_token() -> None:
     table = scheduler.pool.table("t1")
     scheduler.release("t1")
     second = first + tuple(answer) + (60, 61, 62)
-    seq = scheduler.admit("t2", len(second), 1, 1, Prompt(second))
+    seq = admit(scheduler, "t2", len(second), 1, 1, Prompt(second))
     assert seq.num_cached_tokens == 10
     plan = run(scheduler)
     assert [(c.source, c.target) for c in plan.copies] == [
@@ -276,9 +269,11 @@ def test_a_chat_turn_reuses_the_previous_answer_up_to_its_last_token() -> None:
     assert [(c.start, c.token_ids) for c in plan.chunks] == [(10, (43, 60, 61, 62))]
     # A prompt that leaves the answer early takes only the positions it shares.
     diverged = first + (41, 99, 98)
-    assert scheduler.admit("t3", 11, 1, 2, Prompt(diverged)).num_cached_tokens == 9
+    assert admit(scheduler, "t3", 11, 1, 2, Prompt(diverged)).num_cached_tokens == 9
     # A tail under another salt, or after other blocks, is never a match.
-    assert scheduler.admit("t4", 13, 1, 3, Prompt(second, salt="s")).num_cached_tokens == 0
+    assert (
+        admit(scheduler, "t4", len(second), 1, 3, Prompt(second, salt="s")).num_cached_tokens == 0
+    )
     scheduler.release("t2")
     scheduler.release("t3")
     scheduler.release("t4")
@@ -288,12 +283,12 @@ def test_a_chat_turn_reuses_the_previous_answer_up_to_its_last_token() -> None:
 def test_a_released_tail_is_published_only_from_landed_steps() -> None:
     scheduler = make()
     prompt = tuple(range(1, 11))
-    scheduler.admit("a", 10, 4, 0, Prompt(prompt, salt="s"))
+    admit(scheduler, "a", 10, 4, 0, Prompt(prompt, salt="s"))
     run(scheduler)
     plan = scheduler.schedule()  # a decode row that fails: position 10 never lands
     scheduler.abort(plan)
     scheduler.release("a")
-    seq = scheduler.admit("b", 12, 1, 1, Prompt((*prompt, 7, 5), salt="s"))
+    seq = admit(scheduler, "b", 12, 1, 1, Prompt((*prompt, 7, 5), salt="s"))
     assert seq.num_cached_tokens == 10  # 2 blocks and the tail's 2 landed positions, not 11
     scheduler.release("b")
     assert scheduler.pool.check_whole()
@@ -309,25 +304,32 @@ TOKENS = st.lists(st.integers(1, 3), min_size=1, max_size=14)
     ),
     num_blocks=st.integers(6, 20),
     chunk=st.sampled_from([2, 5, 64]),
+    admission=st.sampled_from(["reserve", "partial"]),
 )
-def test_every_position_a_row_reads_holds_its_own_sequence_s_kv(prompts, num_blocks, chunk) -> None:
+def test_every_position_a_row_reads_holds_its_own_sequence_s_kv(
+    prompts, num_blocks, chunk, admission
+) -> None:
     """A model-free oracle for reuse: the KV of position p "is" the tokens 0..p of the sequence
     that wrote it. Copies and rows write it, rows read every earlier position, and a read must
-    find exactly its own sequence's tokens, whatever was shared, copied, evicted or cancelled."""
-    scheduler = make(num_blocks=num_blocks, slots=3, prefill_chunk=chunk)
+    find exactly its own sequence's tokens, whatever was shared, copied, evicted, cancelled,
+    preempted or recomputed."""
+    scheduler = make(
+        num_blocks=num_blocks, slots=3, prefill_chunk=chunk, admission=admission, reserve_tokens=1
+    )
     kv: dict[tuple[int, int], tuple[int, ...]] = {}
     history: list[int] = []  # a chat: every prompt continues the previous turn's tokens
     pending = list(prompts)
     step = 0
-    while pending or scheduler.running:
-        while pending:
+    while pending or scheduler.running or scheduler.num_preempted:
+        scheduler.resume()
+        while pending and not scheduler.num_preempted:
             extra, budget, cancel_after = pending[0]
             prompt = (*history, *extra)[-40:]
             if scheduler.pool.blocks_for(len(prompt) + budget) > num_blocks:
                 pending.pop(0)
                 continue
             request_id = f"r{len(prompts) - len(pending)}"
-            if not scheduler.admit(request_id, len(prompt), budget, step, Prompt(prompt)):
+            if not admit(scheduler, request_id, len(prompt), budget, step, Prompt(prompt)):
                 break
             pending.pop(0)
             history = list(prompt)
@@ -348,8 +350,11 @@ def test_every_position_a_row_reads_holds_its_own_sequence_s_kv(prompts, num_blo
         scheduler.update_from_output(plan, sampled)
         step += 1
         for seq in scheduler.running:
-            if seq.has_reached_max_tokens or step % 7 == 6:
+            if seq.is_finished or step % 7 == 6:
                 history = seq.all_token_ids
-                scheduler.release(seq.request_id)
+                scheduler.release(seq.seq_id)
         assert scheduler.pool.check_whole()
+        assert step < 2000
     assert scheduler.pool.num_used == 0 and scheduler.pool.check_whole()
+    if admission == "reserve":
+        assert scheduler.num_preemptions == 0

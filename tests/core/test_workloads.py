@@ -1,7 +1,11 @@
-"""Whole workloads through the real Scheduler and AdmissionQueue with a fake step loop.
+"""Whole workloads through the real Scheduler, KV manager and AdmissionQueue with a fake step loop.
 
-Each step every planned chunk "runs"; a sequence finishes when its output reaches its answer
-length (an end-of-sequence token can come before max_tokens). Time is the step number.
+Each step every planned chunk "runs"; a sequence finishes when it samples its end-of-sequence
+token (at its answer length) or spends its budget. Time is the step number. The property tests
+draw arrivals, prompt and answer lengths, pool sizes, cancels, n > 1 and shared prefixes, and
+check under both admissions: every admitted request finishes or is cancelled by its client, no
+block is leaked, the pool is never overdrawn, the oldest running request is never preempted,
+and nobody waits behind more overtakes than the queue allows.
 """
 
 from __future__ import annotations
@@ -16,12 +20,20 @@ from kvserve.core import (
     AdmissionQueue,
     BlockPool,
     Infeasible,
+    KVManager,
     Outcome,
+    Prompt,
     Scheduler,
+    Sequence,
+    SequenceStatus,
     StepPlan,
     admit_or_enqueue,
     admit_waiting,
+    make_sequences,
 )
+from kvserve.sim.policies import SlotOnlyScheduler
+
+EOS = 0
 
 
 @dataclass(frozen=True)
@@ -29,9 +41,17 @@ class Job:
     request_id: str
     num_prompt_tokens: int
     max_tokens: int | None
-    answer_length: int  # outputs before the sequence stops by itself (capped by its reserve)
+    answer_length: int  # it samples its end-of-sequence token here (unless its budget ends first)
     arrival_step: int
     cancel_step: int | None = None  # the client goes away at this step
+    n: int = 1
+    prefix: int = 0  # which shared prefix its prompt starts with (0: none)
+    salt: str | None = None
+
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        shared = {0: (), 1: tuple(range(100, 109)), 2: (7,) * 13}[self.prefix]
+        own = tuple(1000 + 37 * int(self.request_id[1:]) + i for i in range(self.num_prompt_tokens))
+        return (shared + own)[: self.num_prompt_tokens]
 
 
 @dataclass
@@ -42,13 +62,17 @@ class Run:
     num_steps: int = 0
     num_stuck_steps: int = 0
     first_stuck_step: int | None = None
+    # request id -> later arrivals admitted while it was first in line at the door
+    overtakes: dict[str, int] = field(default_factory=dict)
 
 
-def check_plan(scheduler: Scheduler, plan: StepPlan) -> None:
-    """What every plan must satisfy, whatever the workload."""
+def check_plan(scheduler: Scheduler, plan: StepPlan, oldest: str | None) -> None:
+    """What every plan must satisfy, whatever the workload. `oldest`: the request that was
+    the oldest running one when the plan was made."""
     config = scheduler.config
-    block_size = scheduler.pool.block_size
-    order = {seq.request_id: index for index, seq in enumerate(scheduler.running)}
+    pool = scheduler.pool
+    block_size = pool.block_size
+    order = {seq.seq_id: index for index, seq in enumerate(scheduler.running)}
     assert plan.num_rows <= config.max_num_batched_tokens
     kinds = [chunk.is_prefill for chunk in plan.chunks]
     assert kinds == sorted(kinds, reverse=True)  # prefill chunks first
@@ -56,31 +80,43 @@ def check_plan(scheduler: Scheduler, plan: StepPlan) -> None:
         group = [order[c.request_id] for c in plan.chunks if c.is_prefill == is_prefill]
         assert group == sorted(group)  # arrival order within each group
     planned = [chunk.request_id for chunk in plan.chunks]
-    assert sorted(planned + list(plan.waiting_ids)) == sorted(order)  # nobody lost or evicted
-    waiting = [order[request_id] for request_id in plan.waiting_ids]
+    assert sorted(planned + list(plan.waiting_ids)) == sorted(order)  # nobody lost
+    waiting = [order[seq_id] for seq_id in plan.waiting_ids]
     assert waiting == sorted(waiting)
     assert len(set(planned)) == len(planned)
+    for seq_id in plan.preempted_ids:
+        seq = scheduler.get(seq_id)
+        assert seq_id not in order and seq is not None and seq.status is SequenceStatus.PREEMPTED
+        assert seq.request_id != oldest  # the oldest running request is never preempted
+        assert pool.table(seq_id) == ()
+    if oldest is not None and plan.preempted_ids:
+        assert any(scheduler.get(s).request_id == oldest for s in order)
     slots = [seq.slot for seq in scheduler.running]
-    assert len(set(slots)) == len(slots)
+    assert len(set(slots)) == len(slots) and None not in slots
     for chunk in plan.chunks:
         seq = scheduler.get(chunk.request_id)
         assert seq is not None
         assert chunk.start == seq.num_computed and chunk.slot == seq.slot
-        assert len(chunk.block_ids) * block_size >= chunk.start + chunk.num_tokens
+        assert len(chunk.block_ids) * block_size >= chunk.end
+        assert chunk.end <= seq.num_tokens
+        assert chunk.samples == (chunk.end == seq.num_tokens)
         if chunk.is_prefill:
             assert 1 <= chunk.num_tokens <= config.prefill_chunk
-            assert chunk.start + chunk.num_tokens <= seq.num_prompt_tokens
-            assert chunk.samples == (chunk.start + chunk.num_tokens == seq.num_prompt_tokens)
         else:
             assert chunk.num_tokens == 1 and chunk.samples
             assert seq.num_output < seq.max_tokens
-    assert scheduler.pool.check_whole()
-    if config.admission == "reserve":
+        if chunk.token_ids:
+            assert chunk.token_ids == tuple(seq.all_token_ids[chunk.start : chunk.end])
+    # Blocks held never exceed the pool, and every reference is accounted for.
+    assert pool.check_whole() and scheduler.kv.check_whole()
+    assert pool.num_used <= pool.num_blocks
+    if config.admission == "reserve" and type(scheduler) is Scheduler:
         reserved = sum(
-            scheduler.pool.blocks_for(seq.num_prompt_tokens + seq.max_tokens)
-            for seq in scheduler.running
+            pool.blocks_for(seq.num_prompt_tokens + seq.max_tokens) for seq in scheduler.running
         )
-        assert scheduler.pool.num_used == reserved
+        shared = sum(pool.refcount(b) - 1 for b in range(pool.num_blocks) if pool.refcount(b))
+        assert pool.num_used == reserved - shared
+        assert plan.preempted_ids == ()
 
 
 def run_workload(
@@ -93,48 +129,79 @@ def run_workload(
     max_steps: int,
     timeout: float = 1e9,
     max_overtakes: int = 4,
+    caching: bool = False,
+    policy: type[Scheduler] = Scheduler,
 ) -> Run:
-    scheduler = Scheduler(config, BlockPool(num_blocks, block_size), max_model_len)
+    pool = BlockPool(num_blocks, block_size, prefix_caching=caching)
+    scheduler = policy(config, KVManager(pool), max_model_len)
     queue = AdmissionQueue(max_waiters=len(jobs), timeout=timeout, max_overtakes=max_overtakes)
     run = Run(scheduler, queue)
     by_id = {job.request_id: job for job in jobs}
-    answer_lengths: dict[str, int] = {}
+    requests: dict[str, list[Sequence]] = {}
     for step in range(max_steps):
         run.num_steps = step
         now = float(step)
         for job in jobs:
             if job.arrival_step == step:
                 try:
-                    reserve = scheduler.check(job.num_prompt_tokens, job.max_tokens)
+                    budget = scheduler.check(job.num_prompt_tokens, job.max_tokens, job.n)
                 except Infeasible as refused:
                     run.outcomes[job.request_id] = f"refused:{refused.param}"
                     continue
-                answer_lengths[job.request_id] = min(job.answer_length, reserve)
-                result = admit_or_enqueue(
-                    scheduler, queue, job.request_id, job.num_prompt_tokens, reserve, now
+                prompt = Prompt(job.prompt_token_ids(), job.salt, job.n)
+                seqs = make_sequences(
+                    job.request_id,
+                    job.num_prompt_tokens,
+                    budget,
+                    prompt if caching else Prompt(n=job.n),
+                    stop_token_ids=frozenset({EOS}),
                 )
+                requests[job.request_id] = seqs
+                result = admit_or_enqueue(scheduler, queue, seqs, now)
                 if result is Outcome.QUEUE_FULL:
                     run.outcomes[job.request_id] = "queue-full"
             departs = job.cancel_step == step and job.request_id not in run.outcomes
-            # The client may leave while queued or while running; both end the request.
-            if departs and (
-                queue.cancel(job.request_id) is not None or scheduler.release(job.request_id)
-            ):
+            # The client may leave while queued, running or preempted; each ends the request.
+            if departs and job.request_id in requests:
+                queue.cancel(job.request_id)
+                for seq in requests[job.request_id]:
+                    if not seq.is_finished:
+                        seq.status = SequenceStatus.FINISHED_CANCELLED
+                    scheduler.release(seq.seq_id)
                 run.outcomes[job.request_id] = "cancelled"
         for waiter in queue.expire(now):
             run.outcomes[waiter.request_id] = "timed-out"
-        admit_waiting(scheduler, queue)
+            for seq in waiter.sequences:
+                seq.status = SequenceStatus.FINISHED_QUEUE_TIMEOUT
+        head = queue.waiters[0] if queue.waiters and not scheduler.num_preempted else None
+        preempted_before = scheduler.num_preempted
+        admitted = admit_waiting(scheduler, queue)
+        if head is not None:
+            later = sum(waiter.arrival > head.arrival for waiter in admitted)
+            if head not in admitted:
+                run.overtakes[head.request_id] = run.overtakes.get(head.request_id, 0) + later
+        if scheduler.num_preempted:
+            assert admitted == []  # nobody passes a preempted request
+        if preempted_before and admitted:
+            assert scheduler.num_preempted == 0
+        oldest = scheduler.running[0].request_id if scheduler.running else None
         plan = scheduler.schedule()
-        check_plan(scheduler, plan)
+        check_plan(scheduler, plan, oldest)
         if scheduler.is_stuck(plan):
             run.num_stuck_steps += 1
             if run.first_stuck_step is None:
                 run.first_stuck_step = step
-        scheduler.update(plan)
+        sampled = {}
         for chunk in plan.chunks:
-            seq = scheduler.get(chunk.request_id)
-            if seq is not None and seq.num_output >= answer_lengths[seq.request_id]:
-                assert scheduler.release(seq.request_id)
+            for seq_id in chunk.sampler_ids:
+                seq = scheduler.get(seq_id)
+                job = by_id[seq.request_id]
+                sampled[seq_id] = EOS if seq.num_output + 1 >= job.answer_length else 5
+        for seq in scheduler.update_from_output(plan, sampled):
+            assert seq.finish_reason in ("stop", "length")
+            assert scheduler.release(seq.seq_id)
+            group = requests[seq.request_id]
+            if all(s.is_finished for s in group):
                 run.outcomes[seq.request_id] = "finished"
         if len(run.outcomes) == len(by_id):
             break
@@ -152,11 +219,12 @@ FIGURE_JOBS = [Job(f"r{index}", 6, 8, 8, arrival_step=0) for index in range(4)]
 def test_slot_only_admission_exhausts_the_pool_and_stops_making_progress() -> None:
     run = run_workload(
         FIGURE_JOBS,
-        SchedulerConfig(admission="slot-only", **FIGURE),
+        SchedulerConfig(**FIGURE),
         num_blocks=8,
         block_size=4,
         max_model_len=64,
         max_steps=60,
+        policy=SlotOnlyScheduler,
     )
     scheduler = run.scheduler
     assert run.first_stuck_step is not None
@@ -170,26 +238,29 @@ def test_slot_only_admission_exhausts_the_pool_and_stops_making_progress() -> No
     assert [(s.num_computed, s.num_output) for s in scheduler.running] == frozen
 
 
-def test_reservation_completes_the_same_workload() -> None:
-    run = run_workload(
-        FIGURE_JOBS,
-        SchedulerConfig(admission="reserve", **FIGURE),
-        num_blocks=8,
-        block_size=4,
-        max_model_len=64,
-        max_steps=60,
-    )
-    assert run.num_stuck_steps == 0
-    assert run.outcomes == {job.request_id: "finished" for job in FIGURE_JOBS}
-    assert run.scheduler.num_running == 0 and run.scheduler.pool.num_free == 8
-    assert run.scheduler.pool.check_whole()
+def test_reservation_whole_or_partial_completes_the_same_workload() -> None:
+    for admission in ("reserve", "partial"):
+        run = run_workload(
+            FIGURE_JOBS,
+            SchedulerConfig(admission=admission, reserve_tokens=2, **FIGURE),
+            num_blocks=8,
+            block_size=4,
+            max_model_len=64,
+            max_steps=200,
+        )
+        assert run.num_stuck_steps == 0
+        assert run.outcomes == {job.request_id: "finished" for job in FIGURE_JOBS}
+        assert run.scheduler.num_running == 0 and run.scheduler.pool.num_free == 8
+        assert run.scheduler.pool.check_whole()
+        # Partial admission takes all four in at once and preempts to let the oldest grow.
+        assert (run.scheduler.num_preemptions > 0) == (admission == "partial")
 
 
 # -- random workloads ----------------------------------------------------------------------------
 
 
 @st.composite
-def workloads(draw: st.DrawFn, with_departures: bool) -> tuple:
+def workloads(draw: st.DrawFn, with_departures: bool, rich: bool = False) -> tuple:
     block_size = draw(st.integers(min_value=1, max_value=8))
     num_blocks = draw(st.integers(min_value=1, max_value=40))
     max_model_len = draw(st.integers(min_value=2, max_value=64))
@@ -197,7 +268,8 @@ def workloads(draw: st.DrawFn, with_departures: bool) -> tuple:
         max_num_seqs=draw(st.integers(min_value=1, max_value=6)),
         max_num_batched_tokens=draw(st.integers(min_value=1, max_value=24)),
         prefill_chunk=draw(st.integers(min_value=1, max_value=16)),
-        batching=draw(st.sampled_from(["continuous", "request"])),
+        admission=draw(st.sampled_from(["partial", "reserve"])),
+        reserve_tokens=draw(st.integers(min_value=1, max_value=12)),
     )
     jobs = []
     for index in range(draw(st.integers(min_value=1, max_value=10))):
@@ -213,6 +285,9 @@ def workloads(draw: st.DrawFn, with_departures: bool) -> tuple:
                     if with_departures
                     else None
                 ),
+                n=draw(st.sampled_from([1, 1, 2, 3])) if rich else 1,
+                prefix=draw(st.integers(0, 2)) if rich else 0,
+                salt=draw(st.sampled_from([None, None, "s"])) if rich else None,
             )
         )
     max_overtakes = draw(st.integers(min_value=0, max_value=4))
@@ -228,19 +303,24 @@ def expected_refusal(job: Job, num_blocks: int, block_size: int, max_model_len: 
     return None
 
 
+def max_steps_for(jobs: list[Job], slack: int) -> int:
+    # Every non-stuck step computes a row; a preempted request computes its rows again, at
+    # most once per older request's growth.
+    rows = sum(job.n * (job.num_prompt_tokens + job.answer_length) for job in jobs)
+    return rows * (1 + len(jobs)) + slack
+
+
 @settings(max_examples=150, deadline=None)
 @given(workloads(with_departures=False))
 def test_reservation_always_completes_random_workloads(workload: tuple) -> None:
     config, num_blocks, block_size, max_model_len, jobs, max_overtakes = workload
-    # Every non-stuck step computes a row; a step with nothing running only waits for arrivals.
-    max_steps = sum(job.num_prompt_tokens + job.answer_length for job in jobs) + 22
     run = run_workload(
         jobs,
         config,
         num_blocks=num_blocks,
         block_size=block_size,
         max_model_len=max_model_len,
-        max_steps=max_steps,
+        max_steps=max_steps_for(jobs, 22),
         max_overtakes=max_overtakes,
     )
     assert run.num_stuck_steps == 0
@@ -250,6 +330,7 @@ def test_reservation_always_completes_random_workloads(workload: tuple) -> None:
     assert run.scheduler.num_running == 0 and len(run.queue) == 0
     assert run.scheduler.pool.num_free == num_blocks and run.scheduler.pool.check_whole()
     assert run.scheduler.num_free_slots == config.max_num_seqs
+    assert all(count <= max_overtakes for count in run.overtakes.values())
 
 
 @settings(max_examples=150, deadline=None)
@@ -258,20 +339,107 @@ def test_any_mix_of_finish_cancel_and_timeout_leaves_the_pool_whole(
     workload: tuple, timeout: int
 ) -> None:
     config, num_blocks, block_size, max_model_len, jobs, max_overtakes = workload
-    max_steps = sum(job.num_prompt_tokens + job.answer_length for job in jobs) + 62
     run = run_workload(
         jobs,
         config,
         num_blocks=num_blocks,
         block_size=block_size,
         max_model_len=max_model_len,
-        max_steps=max_steps,
+        max_steps=max_steps_for(jobs, 62),
         timeout=float(timeout),
         max_overtakes=max_overtakes,
     )
     assert run.num_stuck_steps == 0
     assert set(run.outcomes) == {job.request_id for job in jobs}  # one outcome each
     assert run.scheduler.num_running == 0 and len(run.queue) == 0
+    assert run.scheduler.num_preempted == 0
     assert run.scheduler.pool.num_free == num_blocks and run.scheduler.pool.check_whole()
     assert run.scheduler.num_free_slots == config.max_num_seqs
     assert run.scheduler.pool.owners() == ()
+
+
+@st.composite
+def tight_workloads(draw: st.DrawFn) -> tuple:
+    """Workloads that outgrow their pool: long answers, mostly without max_tokens, more
+    requests than the pool holds at their full length, a first part of 1 to 8 positions."""
+    block_size = draw(st.integers(min_value=1, max_value=4))
+    max_model_len = draw(st.integers(min_value=8, max_value=48))
+    context_blocks = -(-max_model_len // block_size)
+    num_blocks = draw(st.integers(min_value=context_blocks, max_value=context_blocks + 12))
+    config = SchedulerConfig(
+        max_num_seqs=draw(st.integers(min_value=2, max_value=6)),
+        max_num_batched_tokens=draw(st.integers(min_value=1, max_value=24)),
+        prefill_chunk=draw(st.integers(min_value=1, max_value=16)),
+        admission="partial",
+        reserve_tokens=draw(st.integers(min_value=1, max_value=8)),
+    )
+    jobs = [
+        Job(
+            request_id=f"r{index}",
+            num_prompt_tokens=draw(st.integers(min_value=1, max_value=16)),
+            max_tokens=draw(st.none() | st.none() | st.integers(min_value=1, max_value=40)),
+            answer_length=draw(st.integers(min_value=1, max_value=40)),
+            arrival_step=draw(st.integers(min_value=0, max_value=12)),
+            cancel_step=draw(st.none() | st.none() | st.integers(min_value=0, max_value=80)),
+            n=draw(st.sampled_from([1, 1, 2, 3])),
+            prefix=draw(st.integers(0, 2)),
+            salt=draw(st.sampled_from([None, None, "s"])),
+        )
+        for index in range(draw(st.integers(min_value=2, max_value=10)))
+    ]
+    max_overtakes = draw(st.integers(min_value=0, max_value=4))
+    return config, num_blocks, block_size, max_model_len, jobs, max_overtakes
+
+
+@settings(max_examples=200, deadline=None)
+@given(tight_workloads())
+def test_partial_reservation_with_preemption_finishes_every_admitted_request(
+    workload: tuple,
+) -> None:
+    """Shared prefixes and salts (so preempted blocks are published and taken back), n > 1,
+    cancels, pools smaller than the demand: nothing waits forever, nothing leaks, the oldest
+    is never preempted (check_plan), no waiter is overtaken more than K times while first in
+    line, and preempted requests pass before any new one."""
+    config, num_blocks, block_size, max_model_len, jobs, max_overtakes = workload
+    run = run_workload(
+        jobs,
+        config,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_steps=max_steps_for(jobs, 62),
+        max_overtakes=max_overtakes,
+        caching=True,
+    )
+    assert run.num_stuck_steps == 0
+    for job in jobs:
+        outcome = run.outcomes.get(job.request_id)
+        # Admitted requests finish or are cancelled; no timeouts here, and the queue holds all.
+        assert outcome is not None and outcome.split(":")[0] in ("finished", "cancelled", "refused")
+        if job.cancel_step is None and not outcome.startswith("refused"):
+            assert outcome == "finished"
+    assert run.scheduler.num_running == 0 and run.scheduler.num_preempted == 0
+    assert len(run.queue) == 0
+    pool = run.scheduler.pool
+    assert pool.num_free == num_blocks and pool.check_whole()
+    assert pool.owners() == () and pool.num_cached_free == pool.cache.num_cached_free
+    assert run.scheduler.num_free_slots == config.max_num_seqs
+    assert all(count <= max_overtakes for count in run.overtakes.values())
+
+
+def test_the_property_test_sees_preemptions() -> None:
+    """The workloads above are tight enough to preempt: the guarantees are not vacuous."""
+    jobs = [
+        Job(f"r{i}", 6, None, 20, arrival_step=i, n=1 + i % 2, prefix=1 + i % 2) for i in range(6)
+    ]
+    run = run_workload(
+        jobs,
+        SchedulerConfig(max_num_seqs=6, prefill_chunk=8, admission="partial", reserve_tokens=2),
+        num_blocks=16,
+        block_size=4,
+        max_model_len=64,
+        max_steps=max_steps_for(jobs, 10),
+        caching=True,
+    )
+    assert run.outcomes == {job.request_id: "finished" for job in jobs}
+    assert run.scheduler.num_preemptions >= 3

@@ -195,6 +195,8 @@ def test_serve_subprocess(stop_signal, int8):
         assert url in url_line
         banner = "".join(stdout.lines)
         assert "KV pool: 64 blocks x 32 positions" in banner
+        assert "holds 2.0 full contexts of 1024 positions, or 8 typical answers of 256" in banner
+        assert "admission: partial (the prompt and the first 256 answer positions" in banner
         assert "SmolLM2" in banner
 
         assert httpx.get(url + "/ready").status_code == 200

@@ -183,3 +183,94 @@ def test_the_dashboard_draws_the_live_engine(
         server.stop()
     assert outside == [], "the page tried to reach another server"
     assert errors == [], "the page reported errors"
+
+
+def test_the_dashboard_marks_preempted_requests_and_growth_blocks(
+    server_factory,
+    gate_factory,
+    browser: Any,  # noqa: F811
+    until,
+) -> None:
+    from kvserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+
+    # Four chats in a pool of 8 blocks of 16 positions, each admitted with its prompt and 4
+    # answer positions: they outgrow the pool within a few dozen steps and the latest arrivals
+    # are preempted.
+    config = EngineConfig(
+        device=DeviceConfig(device="cpu"),
+        cache=CacheConfig(block_size=16, num_kv_blocks=8),
+        scheduler=SchedulerConfig(
+            max_num_seqs=4, max_model_len=128, admission="partial", reserve_tokens=4
+        ),
+    )
+    server = server_factory(config)
+    engine = server.state.engine
+    context = browser.new_context(viewport={"width": 1400, "height": 1050})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    gate = gate_factory(server)
+    threads = []
+    try:
+        page.goto(server.url + "/dashboard")
+        page.wait_for_selector("body[data-connected=true]")
+        for index in range(4):
+            thread = threading.Thread(
+                target=httpx.post,
+                args=(server.url + "/v1/completions",),
+                kwargs={
+                    "json": {
+                        "prompt": f"Count slowly, {index}:",
+                        "max_tokens": 60,
+                        "ignore_eos": True,
+                        "temperature": 0,
+                    },
+                    "timeout": 300,
+                },
+            )
+            thread.start()
+            threads.append(thread)
+        until(lambda: server.call(lambda: engine.num_requests) == 4)
+        for _ in range(200):
+            if server.call(lambda: engine.num_preempted) > 0:
+                break
+            gate.step()
+        gate.wait_blocked()
+
+        def held() -> tuple[int, int, list[str]]:
+            preempted = [seq.seq_id for seq in engine.scheduler.preempted]
+            growth = sum(
+                len(engine.pool.table(seq.seq_id)) - engine.kv.num_reserved(seq.seq_id)
+                for seq in engine.scheduler.running
+            )
+            return engine.num_steps, growth, preempted
+
+        step, growth, preempted = server.call(held)
+        assert preempted and growth > 0
+        page.wait_for_function(
+            "n => Number(document.getElementById('summary').dataset.preempted) === n",
+            arg=len(preempted),
+            timeout=10_000,
+        )
+        drawn = page.evaluate(
+            """() => ({
+              preempted: [...document.querySelectorAll("#queue .queued.preempted")].map(
+                (q) => q.dataset.request),
+              growth: document.querySelectorAll('#pool .block[data-growth="true"]').length,
+            })"""
+        )
+        assert drawn["preempted"] == preempted
+        # Growth blocks that several sequences hold are drawn once; none are here.
+        assert drawn["growth"] == growth
+        gate.open()
+        for thread in threads:
+            thread.join(300)
+        until(lambda: server.call(engine.is_idle))
+        assert server.call(lambda: engine.num_preemptions) > 0
+    finally:
+        gate.open()
+        for thread in threads:
+            thread.join(300)
+        context.close()
+        server.stop()
+    assert errors == [], "the page reported errors"

@@ -23,7 +23,8 @@ def make_config(
     overtakes: int | None = None,
     buffer: int = 256,
     max_model_len: int | None = 2048,
-    admission: str = "reserve",
+    admission: str = "partial",
+    reserve_tokens: int = 256,
     kv_cache_dtype: str = "auto",
 ) -> EngineConfig:
     return EngineConfig(
@@ -34,6 +35,7 @@ def make_config(
             max_num_batched_tokens=rows,
             prefill_chunk=chunk,
             admission=admission,
+            reserve_tokens=reserve_tokens,
         ),
         queue=QueueConfig(
             max_queue_per_slot=queue_per_slot, queue_timeout=queue_timeout, max_overtakes=overtakes

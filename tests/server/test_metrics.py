@@ -61,3 +61,11 @@ def test_ignored_field_labels_are_bounded():
     assert len(fields) <= 65
     assert fields["field1"] == 2
     assert fields["_other"] == 500 - 64
+
+
+def test_preemptions_are_counted_per_sequence_from_zero():
+    metrics = ServerMetrics()
+    assert _samples(metrics)[("kvserve:num_preemptions_total", ())] == 0
+    metrics.on_preempted(None, 2)  # an n = 2 request, preempted together
+    metrics.on_preempted(None, 1)
+    assert _samples(metrics)[("kvserve:num_preemptions_total", ())] == 3

@@ -31,8 +31,11 @@ READ_STATE = """() => ({
     shared: [...section.querySelectorAll(".pool .block")].map(
       (b) => b.classList.contains("shared")),
     cached: [...section.querySelectorAll(".pool .block")].map((b) => b.dataset.cached === "true"),
+    growth: [...section.querySelectorAll(".pool .block")].map((b) => b.dataset.growth === "true"),
     slots: [...section.querySelectorAll(".slots .slot")].map((s) => s.dataset.request),
     queued: [...section.querySelectorAll(".queue .queued")].map((q) => q.dataset.request),
+    preempted: [...section.querySelectorAll(".queue .queued.preempted")].map(
+      (q) => q.dataset.request),
     rows: [...section.querySelectorAll(".rows .row:not(.unused)")].map(
       (r) => [r.dataset.request, r.dataset.kind]),
     status: section.querySelector(".status").textContent,
@@ -58,8 +61,13 @@ def expected_state(result: SimulationResult, step: int) -> dict[str, Any]:
             owner is None and cached
             for owner, cached in zip(frame.block_owners, frame.block_cached, strict=True)
         ],
+        "growth": [
+            owner is not None and growth
+            for owner, growth in zip(frame.block_owners, frame.block_growth, strict=True)
+        ],
         "slots": [slot.request_id if slot else "" for slot in frame.slots],
-        "queued": list(frame.queued_ids),
+        "queued": [*frame.resuming_ids, *frame.queued_ids],
+        "preempted": list(frame.resuming_ids),
         "rows": rows,
     }
 
@@ -152,6 +160,29 @@ def test_stepping_forwards_and_backwards_through_the_stuck_pool(
     assert drawn(state) == [expected_state(result, last) for result in results]
     page.keyboard.press("Home")
     assert page.evaluate(READ_STATE)["step"] == 0
+
+
+def test_the_partial_panel_draws_a_preemption_and_the_resumption(
+    page: Any, results: list[SimulationResult]
+) -> None:
+    index, partial = next(
+        (i, result) for i, result in enumerate(results) if result.scenario.name == "partial"
+    )
+    step = next(frame.step for frame in partial.frames if frame.preempted_ids)
+    page.locator("#slider").fill(str(step))
+    state = page.evaluate(READ_STATE)
+    assert drawn(state) == [expected_state(result, step) for result in results]
+    panel = state["scenarios"][index]
+    victims = list(partial.frames[step].preempted_ids)
+    assert victims and panel["preempted"] == victims and panel["queued"][: len(victims)] == victims
+    assert any(panel["growth"])
+    assert all(victim not in panel["owners"] for victim in victims)
+    assert "preempted: " + ", ".join(victims) in panel["status"]
+    page.click("#next")
+    state = page.evaluate(READ_STATE)
+    panel = state["scenarios"][index]
+    assert panel["preempted"] == [] and "resumed (recomputing)" in panel["status"]
+    assert [row for row in panel["rows"] if row[0] in victims][0] == [victims[0], "prefill"]
 
 
 def test_the_screenshot_shows_the_drawing(page: Any, results: list[SimulationResult]) -> None:

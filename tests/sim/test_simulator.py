@@ -1,4 +1,4 @@
-"""The simulator drives the real core Scheduler: the default workload's four stories, frames
+"""The simulator drives the real core Scheduler: the default workload's five stories, frames
 that obey the engine's rules, a config change in core that changes the run, and termination
 (a stuck pool is reported, never a hang)."""
 
@@ -19,6 +19,7 @@ from kvserve.sim import (
     CONTINUOUS_RESERVE,
     CONTINUOUS_SLOT_ONLY,
     DEFAULT_WORKLOAD,
+    PARTIAL_PREEMPT,
     SCENARIOS,
     RequestSpec,
     Scenario,
@@ -45,6 +46,7 @@ def check_frames(result: SimulationResult) -> None:
     workload = result.workload
     config = result.config
     held: dict[str, int] = {}
+    previous_resuming: tuple[str, ...] = ()
     for index, frame in enumerate(result.frames):
         assert frame.step == index
         assert len(frame.slots) == workload.num_slots
@@ -75,14 +77,40 @@ def check_frames(result: SimulationResult) -> None:
             # Written positions live in the request's blocks and nowhere else.
             assert sum(frame.block_fill[b] for b in blocks) == slot.num_computed
             assert len(blocks) * workload.block_size >= slot.num_computed
-            if config.admission == "reserve":
-                spec = next(r for r in workload.requests if r.request_id == request_id)
+            spec = next(r for r in workload.requests if r.request_id == request_id)
+            growth = [frame.block_growth[b] for b in blocks if frame.block_owners[b] == request_id]
+            if result.scenario.policy == "slot-only":
+                assert all(growth)  # nothing is reserved: every block was taken as it grew
+            elif config.admission == "reserve":
                 assert len(blocks) == ceil_div(
                     spec.num_prompt_tokens + spec.budget, workload.block_size
                 )
-            # Blocks are never taken away from a running request.
+                assert not any(growth)
+            else:
+                # Reserved: the prompt and the first answer positions (after a preemption: all
+                # it had, and the first positions of the rest); then it grows one block at a time.
+                assert slot.num_reserved_blocks <= ceil_div(
+                    spec.num_prompt_tokens + spec.budget, workload.block_size
+                )
+                assert len(blocks) * workload.block_size <= max(
+                    slot.num_reserved_blocks * workload.block_size,
+                    slot.num_computed + 1 + workload.block_size - 1,
+                )
+            # Blocks are never taken away from a running request (a preempted one gives back
+            # all of them and starts afresh when it resumes).
             assert len(blocks) >= held.get(request_id, 0)
             held[request_id] = len(blocks)
+        for request_id in frame.preempted_ids:
+            assert request_id not in running and request_id in frame.resuming_ids
+            held.pop(request_id, None)
+        for request_id in frame.resuming_ids:
+            assert request_id not in running and request_id not in frame.queued_ids
+        still_waiting = set(previous_resuming) - set(frame.resumed_ids)
+        if still_waiting:
+            # Nobody new is admitted while a preempted request waits to resume.
+            assert set(frame.queue_reasons) <= {"preempted", "batch"}
+            assert frame.admitted_ids == ()
+        previous_resuming = frame.resuming_ids
         for block, owner in enumerate(frame.block_owners):
             if owner is None and not frame.block_cached[block]:
                 assert frame.block_fill[block] == 0
@@ -229,17 +257,20 @@ def test_a_rule_changed_in_the_core_config_changes_the_simulation() -> None:
     baseline = simulate(DEFAULT_WORKLOAD, CONTINUOUS_RESERVE)
     assert baseline.stuck_step is None
 
-    slot_only = simulate(
-        DEFAULT_WORKLOAD, CONTINUOUS_RESERVE, config=replace(config, admission="slot-only")
+    partial = simulate(
+        DEFAULT_WORKLOAD, CONTINUOUS_RESERVE, config=replace(config, admission="partial")
     )
-    assert slot_only.stuck_step is not None
-    assert any(outcome.status == "stuck" for outcome in slot_only.requests)
+    assert partial.frames == runs_of(PARTIAL_PREEMPT).frames
+    assert partial.num_steps < baseline.num_steps
 
-    batched = simulate(
-        DEFAULT_WORKLOAD, CONTINUOUS_RESERVE, config=replace(config, batching="request")
+    # Reserving more of the answer at admission leaves no room to preempt anyone here.
+    generous = simulate(
+        DEFAULT_WORKLOAD,
+        PARTIAL_PREEMPT,
+        config=replace(PARTIAL_PREEMPT.scheduler_config(DEFAULT_WORKLOAD), reserve_tokens=4),
     )
-    assert any(outcome.arrived_during_batch for outcome in batched.requests)
-    assert batched.num_steps > baseline.num_steps
+    assert not any(frame.preempted_ids for frame in generous.frames)
+    assert any(frame.preempted_ids for frame in partial.frames)
 
     small_chunks = simulate(
         DEFAULT_WORKLOAD, CONTINUOUS_RESERVE, config=replace(config, prefill_chunk=3)
@@ -252,10 +283,64 @@ def test_a_rule_changed_in_the_core_config_changes_the_simulation() -> None:
 
 
 def test_a_scenario_is_nothing_but_its_scheduler_config() -> None:
-    custom = Scenario("custom", "custom", admission="slot-only", batching="continuous")
+    custom = Scenario("custom", "custom", policy="slot-only")
     ours = simulate(DEFAULT_WORKLOAD, custom)
     named = simulate(DEFAULT_WORKLOAD, CONTINUOUS_SLOT_ONLY)
     assert ours.frames == named.frames and ours.requests == named.requests
+
+
+def runs_of(scenario: Scenario) -> SimulationResult:
+    return simulate(DEFAULT_WORKLOAD, scenario)
+
+
+def test_a_policy_changed_in_the_scenario_changes_the_simulation() -> None:
+    baseline = simulate(DEFAULT_WORKLOAD, CONTINUOUS_RESERVE)
+    slot_only = simulate(DEFAULT_WORKLOAD, replace(CONTINUOUS_RESERVE, policy="slot-only"))
+    assert slot_only.stuck_step is not None
+    assert any(outcome.status == "stuck" for outcome in slot_only.requests)
+    batched = simulate(DEFAULT_WORKLOAD, replace(CONTINUOUS_RESERVE, policy="request"))
+    assert any(outcome.arrived_during_batch for outcome in batched.requests)
+    assert batched.num_steps > baseline.num_steps
+
+
+def test_partial_reservation_preempts_the_latest_arrival_and_every_request_returns(
+    runs: dict[str, SimulationResult],
+) -> None:
+    partial, reserve = runs["partial"], runs["reserve"]
+    check_frames(partial)
+    assert [outcome.status for outcome in partial.requests] == ["returned"] * 7
+    assert partial.stuck_step is None and partial.num_steps < reserve.num_steps
+    preemptions = [
+        (frame.step, frame.preempted_ids) for frame in partial.frames if frame.preempted_ids
+    ]
+    assert preemptions == [(12, ("r7",))]
+    step = 12
+    before = partial.frames[step - 1]
+    running = sorted(
+        (slot for slot in before.slots if slot is not None),
+        key=lambda slot: partial.outcome(slot.request_id).arrival_step,
+    )
+    # The victim is the latest arrival; the oldest running request is never preempted.
+    assert running[-1].request_id == "r7" and running[0].request_id != "r7"
+    # r5 needed a block: it grew into one r7 held, and got its row.
+    frame = partial.frames[step]
+    assert "r5" in [row.request_id for row in frame.rows]
+    assert frame.resuming_ids == ("r7",) and "r7" not in frame.block_owners
+    assert any(frame.block_growth)
+    # It resumes at the next admission round, recomputing its prompt and the tokens it had,
+    # and the chunk that completes them samples its next token.
+    resumed = partial.frames[step + 1]
+    assert resumed.resumed_ids == ("r7",)
+    r7_before = next(s for s in before.slots if s is not None and s.request_id == "r7")
+    row = next(row for row in resumed.rows if row.request_id == "r7")
+    assert row.is_prefill and row.start == 0 and row.samples
+    assert row.num_tokens == r7_before.num_prompt_tokens + r7_before.num_output
+    r7 = next(s for s in resumed.slots if s is not None and s.request_id == "r7")
+    assert r7.num_output == r7_before.num_output + 1 and r7.num_preemptions == 1
+    # Admission reserves less, so r7 gets in four steps sooner than under full reservation.
+    assert partial.outcome("r7").admitted_step < reserve.outcome("r7").admitted_step
+    assert partial.outcome("r7").preempted_steps == (12,)
+    assert "preempted at step 12" in format_table(partial)
 
 
 def test_times_count_steps_from_arrival(runs: dict[str, SimulationResult]) -> None:
@@ -358,7 +443,7 @@ def test_prefix_caching_lets_the_later_requests_start_sooner(
         DEFAULT_WORKLOAD,
         requests=tuple(replace(r, shared_prefix=0) for r in DEFAULT_WORKLOAD.requests),
     )
-    for name in ("request", "reserve", "slot-only"):
+    for name in ("request", "reserve", "slot-only", "partial"):
         assert simulate(plain, runs[name].scenario).requests == runs[name].requests
         assert not any(any(frame.block_cached) for frame in runs[name].frames)
 
@@ -379,7 +464,7 @@ def test_workload_json_round_trip(tmp_path: Path) -> None:
 
 
 workloads = st.builds(
-    lambda specs, slots, blocks, block_size, chunk, rows: Workload(
+    lambda specs, slots, blocks, block_size, chunk, rows, reserve: Workload(
         requests=tuple(
             RequestSpec(f"r{i}", arrival, prompt, answer, shared_prefix=min(shared, prompt))
             for i, (arrival, prompt, answer, shared) in enumerate(specs)
@@ -389,6 +474,7 @@ workloads = st.builds(
         block_size=block_size,
         prefill_chunk=chunk,
         max_num_batched_tokens=rows,
+        reserve_tokens=reserve,
     ),
     st.lists(
         st.tuples(st.integers(0, 12), st.integers(1, 24), st.integers(1, 12), st.integers(0, 24)),
@@ -400,6 +486,7 @@ workloads = st.builds(
     st.integers(1, 6),
     st.integers(1, 10),
     st.integers(1, 16),
+    st.integers(1, 6),
 )
 
 
@@ -411,7 +498,8 @@ def test_every_run_ends_returned_refused_or_reported_stuck(workload: Workload) -
         check_frames(result)
         statuses = {outcome.status for outcome in result.requests}
         assert "unfinished" not in statuses  # the step limit was never what ended a run
-        if scenario.admission == "reserve":
+        if scenario.policy != "slot-only":
+            # Reservation, whole or partial with preemption, never deadlocks.
             assert result.stuck_step is None and statuses <= {"returned", "refused"}
         if result.stuck_step is not None:
             assert "stuck" in statuses and result.frames[-1].stuck
