@@ -188,13 +188,19 @@ _BYTE_TO_CHAR = _bytes_to_unicode()
 _CHAR_TO_BYTE = {char: byte for byte, char in _BYTE_TO_CHAR.items()}
 
 
+# The byte alphabet as one character class, and each of its characters to its byte spelled as
+# a latin-1 character: a vocabulary of 150k tokens is read by the regex and str.translate
+# engines, not a Python loop per character.
+_OUTSIDE_BYTE_ALPHABET = re.compile("[^" + "".join(re.escape(char) for char in _CHAR_TO_BYTE) + "]")
+_TO_LATIN1 = str.maketrans({char: chr(byte) for char, byte in _CHAR_TO_BYTE.items()})
+
+
 def _byte_level_bytes(token: str) -> bytes:
     # Same rule as the ByteLevel decoder: a token spelled outside the byte alphabet (an added
     # token like "<|im_start|>" is inside it; one with other characters is not) is its own UTF-8.
-    try:
-        return bytes(_CHAR_TO_BYTE[char] for char in token)
-    except KeyError:
+    if _OUTSIDE_BYTE_ALPHABET.search(token):
         return token.encode("utf-8")
+    return token.translate(_TO_LATIN1).encode("latin-1")
 
 
 def _field_value(fields: Mapping[str, Any], key: str, default: Any = None) -> Any:
@@ -790,12 +796,13 @@ class Tokenizer:
         add_bos: bool = False,
         add_eos: bool = False,
     ) -> None:
-        data = json.loads(backend.to_str())
+        serialized = backend.to_str()
+        data = json.loads(serialized)
         self._decoding = _DecoderShape.of(data.get("decoder"))
         # A second backend, identical but for matching special tokens in its input, encodes raw
         # prompts (`parse_special=True`); the flag is per backend, and instances are shared
         # between threads, so it is never toggled.
-        self._parsing_backend = Backend.from_str(backend.to_str())
+        self._parsing_backend = Backend.from_str(serialized)
         self._parsing_backend.encode_special_tokens = False
         backend.encode_special_tokens = True
         self._backend = backend
@@ -829,7 +836,13 @@ class Tokenizer:
         self._rstrip_ids = frozenset(i for i in self._special_token_ids if added[i].rstrip)
 
         vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        tokens = [backend.id_to_token(token_id) for token_id in range(vocab_size)]
+        tokens: list[str | None] = [None] * vocab_size
+        for token, token_id in backend.get_vocab(with_added_tokens=True).items():
+            if token_id < vocab_size:
+                tokens[token_id] = token
+        for token_id, added_token in added.items():  # an added token's spelling wins, as there
+            if token_id < vocab_size:
+                tokens[token_id] = added_token.content
         self._token_bytes = [
             b"" if token is None else self._decoding.token_bytes(token) for token in tokens
         ]
@@ -1198,7 +1211,7 @@ class Tokenizer:
 
 def _respell_byte_level(token: str) -> str:
     """A vocabulary token in the byte alphabet (as transformers spells GGUF tokens)."""
-    if all(char in _CHAR_TO_BYTE for char in token):
+    if not _OUTSIDE_BYTE_ALPHABET.search(token):
         return token
     return "".join(_BYTE_TO_CHAR[byte] for byte in token.encode("utf-8"))
 

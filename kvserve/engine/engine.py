@@ -335,6 +335,8 @@ class Engine:
             kv_cache_memory=config.cache.kv_cache_memory,
         )
         log.info(self.pool_size.describe())
+        log.info("memory plan: %s", self.describe_memory())
+        allocating = time.perf_counter()
         self.kv_cache = device_thread.call(
             KVCache,
             self.model_config,
@@ -343,6 +345,7 @@ class Engine:
             cache_dtype,
             self.loaded.device,
         )
+        self.kv_seconds = time.perf_counter() - allocating
         self.pool = BlockPool(
             self.pool_size.num_blocks,
             config.cache.block_size,
@@ -558,12 +561,38 @@ class Engine:
 
     # -- introspection -------------------------------------------------------------------------
 
+    def describe_memory(self) -> str:
+        """The memory plan, known before the pool is allocated: the weights (against the
+        checkpoint's size), the KV pool, and about what a full step's activations take."""
+        model = self.loaded.model
+        scheduler = self.config.scheduler
+        working = model.working_bytes(scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+        weights = model.num_bytes
+        file_bytes = self.loaded.file_bytes
+        against = (
+            f" ({weights / file_bytes:.2f}x the file's {_mib(file_bytes)})" if file_bytes else ""
+        )
+        return (
+            f"weights {_mib(weights)}{against} + KV pool {_mib(self.pool_size.num_bytes)} + "
+            f"working buffers about {_mib(working)} = {_mib(weights + self.pool_size.num_bytes + working)}"
+        )
+
+    def describe_start(self) -> str:
+        """Where the start's seconds went: the model's load, then the KV pool's allocation."""
+        loaded = self.loaded
+        return (
+            f"started in {loaded.load_seconds + self.kv_seconds:.1f} s: {loaded.describe_load()}, "
+            f"KV pool {self.kv_seconds:.1f} s"
+        )
+
     def describe_precision(self) -> str:
         """One line: what the linear layers and the KV cache run in, and why."""
         model = self.loaded.model
-        linear = {"int8": "int8", "q4": "4-bit blocks (q4)"}.get(
-            model.quantization, str(model.dtype).removeprefix("torch.")
-        )
+        linear = {
+            "int8": "int8",
+            "q4": "4-bit blocks (q4)",
+            "gguf": f"the file's blocks ({', '.join(self.loaded.quantization)})",
+        }.get(model.quantization, str(model.dtype).removeprefix("torch."))
         cache = str(self.kv_cache.kv.dtype).removeprefix("torch.")
         return (
             f"precision: linear layers {linear} ({self.loaded.quantization_reason}); "
@@ -903,3 +932,7 @@ class Engine:
             self._answers.pop(answer.seq_id, None)
         if all(answer.seq.is_finished for answer in state.answers):
             self.queue.cancel(state.request_id)
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.0f} MiB"

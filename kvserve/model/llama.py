@@ -727,6 +727,14 @@ class LlamaModel:
             total += self.embed.num_bytes
         return total + self.layer_bytes
 
+    def working_bytes(self, num_rows: int, num_logit_rows: int) -> int:
+        """About the activations one step of `num_rows` rows holds at its peak (float32, one
+        layer's at a time) and its `num_logit_rows` rows of logits."""
+        cfg = self.config
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        per_row = 4 * h + cfg.q_size + 2 * cfg.kv_size + cfg.q_size + 3 * i
+        return 4 * (num_rows * per_row + num_logit_rows * cfg.vocab_size)
+
     @property
     def layer_bytes(self) -> int:
         """Bytes of the layers' weights and norms: what a decode step reads of them."""

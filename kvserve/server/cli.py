@@ -107,6 +107,8 @@ def banner(engine: Engine, model_name: str, url: str, server_config: ServerConfi
             f"kvserve: serving '{model_name}'",
             f"  model: {engine.loaded.summary()}",
             f"  {engine.describe_precision()}",
+            f"  {engine.describe_start()}",
+            f"  memory plan: {engine.describe_memory()}",
             f"  {engine.loaded.describe_kernels()}",
             f"  {pool.describe()}",
             f"  pool bytes: {pool.num_blocks} blocks x {pool.bytes_per_block} bytes "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -198,6 +199,14 @@ def test_serve_subprocess(stop_signal, int8):
         assert "holds 2.0 full contexts of 1024 positions, or 8 typical answers of 256" in banner
         assert "admission: partial (the prompt and the first 256 answer positions" in banner
         assert "SmolLM2" in banner
+        # The start's split and the memory plan, the pool's share read off its own line.
+        assert re.search(
+            r"started in [0-9.]+ s: kernels [0-9.]+ s, read [0-9.]+ s, weights [0-9.]+ s \(", banner
+        )
+        plan = re.search(r"memory plan: weights ([0-9,]+) MiB \(([0-9.]+)x the file's", banner)
+        assert plan and int(plan[1].replace(",", "")) > 0
+        pool_bytes = int(re.search(r"pool bytes: .* = ([0-9]+) bytes", banner)[1])
+        assert f"+ KV pool {pool_bytes / 2**20:,.0f} MiB + working buffers about" in banner
 
         assert httpx.get(url + "/ready").status_code == 200
         payload = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
