@@ -24,7 +24,12 @@ class Configuration:
     @property
     def quantization(self) -> str:
         """The --quantization its model fixture was loaded with."""
-        return {"loaded_int8": "int8", "loaded_q4": "q4"}.get(self.model_fixture, "none")
+        return {
+            "loaded_int8": "int8",
+            "loaded_q4": "q4",
+            "qwen05_gguf": "gguf",
+            "qwen05_int8": "int8",
+        }.get(self.model_fixture, "none")
 
 
 # `--quantization q4` with the int8 KV cache is covered by the model tests
@@ -40,6 +45,17 @@ CONFIGURATIONS = [
     Configuration("q4-weights", "loaded_q4", "model", exact=False),
 ]
 
+# The real qwen2.5-coder:0.5b (Q4_K_M) in each way a user runs it: auto (its blocks kept),
+# int8 linear layers, float32 throughout (none), and its blocks beside the int8 KV cache. The
+# tests that must hold for a real file (prompts of every length, a fault mid-step, the leak
+# property) take these too.
+REAL_CONFIGURATIONS = [
+    Configuration("qwen05-auto", "qwen05_gguf", "model", exact=True),
+    Configuration("qwen05-int8", "qwen05_int8", "model", exact=True),
+    Configuration("qwen05-none", "qwen05_fp32", "model", exact=True),
+    Configuration("qwen05-int8-kv", "qwen05_gguf", "int8", exact=False),
+]
+
 
 # `loaded_bf16` is the model in the machine's float dtype: on a CPU without bf16 that is float32,
 # and the bf16 configuration is then the fp32 one (same weights, products and cache), with the
@@ -47,11 +63,11 @@ CONFIGURATIONS = [
 SAME_AS_FP32 = "this CPU has no bf16, so its float dtype is float32: this is the fp32 configuration"
 
 
-def params() -> list:
+def params(configurations: list[Configuration] = CONFIGURATIONS) -> list:
     """`pytest.param` per configuration, ids by name; marked to skip: those whose kernels this
     CPU lacks, and bf16 where it would run the fp32 configuration a second time."""
     result = []
-    for c in CONFIGURATIONS:
+    for c in configurations:
         missing = missing_kernels(c.quantization, c.kv_cache_dtype == "int8")
         if c.name == "bf16" and not cpu_has_bf16():
             missing = SAME_AS_FP32

@@ -136,6 +136,26 @@ def qwen05_fp32(qwen05_path):
 
 
 @pytest.fixture(scope="session")
+def qwen05_gguf(qwen05_path):
+    """qwen2.5-coder:0.5b as `--quantization auto` loads it: its K-quant blocks kept, float32
+    elsewhere (this CPU's float dtype where it has bf16)."""
+    from kvserve.config import DeviceConfig
+    from kvserve.model.loader import load_model
+
+    return load_model(str(qwen05_path), DeviceConfig(device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def qwen05_int8(qwen05_path):
+    """qwen2.5-coder:0.5b with int8 linear layers (`--quantization int8`: its blocks
+    dequantized and re-quantized per row)."""
+    from kvserve.config import DeviceConfig
+    from kvserve.model.loader import load_model
+
+    return load_model(str(qwen05_path), DeviceConfig(device="cpu", quantization="int8"))
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(model_path):
     """transformers' own tokenizer for the default GGUF file (an independent reference), loaded
     once per session and shared read-only: a test that must change it works on a copy."""

@@ -401,6 +401,11 @@ class HermesToolParser:
     start of a call, and each call once its block closes. A block whose body is not a call
     (not JSON, no name) stays content, tags included. Whitespace next to a call is layout, not
     content; elsewhere trailing whitespace is held until more text shows which it is.
+
+    Models of the family also open an answer with the call bare, or in a Markdown JSON fence
+    (``{"name": ..., "arguments": {...}}``; Qwen2.5-Coder writes it so): an answer that opens
+    with such an object (both keys) reads it as a call, as Ollama does. The opening is held
+    only while it can still be one: ``{"name"`` decides, anything else is content at once.
     """
 
     start = "<tool_call>"
@@ -408,6 +413,7 @@ class HermesToolParser:
     forced_in_syntax = False
     """Forced answers (required, named) are not in this syntax: `parse_required` reads a
     required one, a named one is the arguments themselves."""
+    reads_bare_calls = True
 
     def __init__(self, id_prefix: str = "call_", *, forced: bool = False) -> None:
         self._id_prefix = id_prefix
@@ -416,6 +422,55 @@ class HermesToolParser:
         self._pending_space = ""
         self._after_call = False
         self.calls: list[ToolCall] = []
+        self._opening: str | None = "" if self.reads_bare_calls else None  # held opening text
+
+    def _bare_opening(self, out: list[str | ToolCall], *, final: bool) -> str | None:
+        """Read the held opening of the answer: None while it may still be a bare call (hold
+        on), else the text left to read in the tagged syntax (a call found is in `out`)."""
+        raw = self._opening or ""
+        text = raw.lstrip()
+        fenced = text.startswith("```")
+        if not fenced and "```".startswith(text) and text:
+            return None if not final else raw  # "`" or "``" so far
+        rest = text
+        if fenced:
+            rest = text[3:]
+            if not rest or ("json".startswith(rest) and rest != "json"):
+                return None if not final else raw
+            if rest.startswith("json"):
+                rest = rest[4:]
+            rest = rest.lstrip()
+        if not rest:
+            return None if not final else raw
+        if rest[0] != "{":
+            return raw
+        head = rest[1:].lstrip()
+        if len(head) < len('"name"'):
+            return raw if final or not '"name"'.startswith(head) else None
+        if not head.startswith('"name"'):
+            return raw
+        end = _json_end(rest)
+        if end is None:
+            return raw if final else None
+        try:
+            value = json.loads(rest[:end])
+        except json.JSONDecodeError:
+            return raw
+        keys = {"arguments", "parameters"}
+        call = _call_of(value, self._id_prefix, "arguments") if keys & set(value) else None
+        if call is None:
+            return raw
+        after = rest[end:]
+        if fenced:
+            closing = after.lstrip()
+            if "```".startswith(closing) and len(closing) < 3 and not final:
+                return None  # the closing fence may follow
+            if closing.startswith("```"):
+                after = closing[3:]
+        self.calls.append(call)
+        out.append(call)
+        self._after_call = True
+        return after
 
     @staticmethod
     def forced_schema(
@@ -426,8 +481,15 @@ class HermesToolParser:
 
     def feed(self, text: str) -> list[str | ToolCall]:
         """New content strings and completed calls, in order."""
-        self._buffer += text
         out: list[str | ToolCall] = []
+        if self._opening is not None:
+            self._opening += text
+            left = self._bare_opening(out, final=False)
+            if left is None:
+                return out
+            self._opening = None
+            text = left
+        self._buffer += text
         while True:
             if not self._in_call:
                 index = self._buffer.find(self.start)
@@ -450,6 +512,10 @@ class HermesToolParser:
     def finish(self) -> list[str | ToolCall]:
         """Whatever is left once the answer has ended (an unclosed block may still be a call)."""
         out: list[str | ToolCall] = []
+        if self._opening is not None:
+            left = self._bare_opening(out, final=True) or ""
+            self._opening = None
+            out += self.feed(left)
         if self._in_call:
             self._block(out, self._buffer, closed=False)
         else:
@@ -678,6 +744,7 @@ class MistralToolParser(HermesToolParser):
     args = "[ARGS]"
     call_id_tag = "[CALL_ID]"
     forced_in_syntax = True
+    reads_bare_calls = False
 
     def __init__(self, id_prefix: str = "call_", *, forced: bool = False) -> None:
         super().__init__(id_prefix)

@@ -1,4 +1,5 @@
-"""Every configuration (fp32, bf16, int8 weights, int8 KV cache, both) behind the real server:
+"""Every configuration (fp32, bf16, int8 weights, int8 KV cache, both, 4-bit blocks; the real
+qwen2.5-coder:0.5b in auto, int8, none and with the int8 KV cache) behind the real server:
 prompts of every awkward length, and a model that raises in the middle of a step (a context
 filled to its last position is in tests/engine/test_configurations.py). The server answers each request (200 or a clear 400), fails
 only the step's own requests when the model raises, and keeps serving; the pool comes back
@@ -13,11 +14,14 @@ import httpx
 import pytest
 
 from kvserve.config import CacheConfig, DeviceConfig, EngineConfig, QueueConfig, SchedulerConfig
-from tests.configurations import params
+from tests.configurations import CONFIGURATIONS, REAL_CONFIGURATIONS, params
 
 pytestmark = pytest.mark.slow
 
 PROMPT_LENGTHS = [1, 31, 32, 33, 511, 512, 513, 1000, 2049, 8000]
+# A real 0.5B model prefills about 100x slower than the default one: the lengths that cross a
+# block, a chunk and several chunks, to keep the suite's time.
+REAL_PROMPT_LENGTHS = [1, 31, 32, 33, 512, 513, 2049]
 MAX_MODEL_LEN = 8192
 
 
@@ -26,7 +30,7 @@ def prompt_ids(length: int, salt: int = 0) -> list[int]:
     return [1000 + (7 * i + 13 * salt) % 20000 for i in range(length)]
 
 
-@pytest.fixture(scope="module", params=params())
+@pytest.fixture(scope="module", params=params(CONFIGURATIONS + REAL_CONFIGURATIONS))
 def server(request, server_factory):
     configuration = request.param
     loaded = request.getfixturevalue(configuration.model_fixture)
@@ -55,9 +59,10 @@ def test_every_prompt_length_is_answered(server):
     assert server.call(lambda: engine.kv_cache.kv.dtype).is_floating_point == (
         server.configuration.kv_cache_dtype != "int8"
     )
-    with ThreadPoolExecutor(len(PROMPT_LENGTHS)) as pool:
-        replies = list(pool.map(lambda n: completion(server, prompt_ids(n, n)), PROMPT_LENGTHS))
-    for length, reply in zip(PROMPT_LENGTHS, replies, strict=True):
+    lengths = REAL_PROMPT_LENGTHS if server.configuration in REAL_CONFIGURATIONS else PROMPT_LENGTHS
+    with ThreadPoolExecutor(len(lengths)) as pool:
+        replies = list(pool.map(lambda n: completion(server, prompt_ids(n, n)), lengths))
+    for length, reply in zip(lengths, replies, strict=True):
         assert reply.status_code == 200, (length, reply.text)
         body = reply.json()
         assert body["usage"]["prompt_tokens"] == length

@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.engine.engine import Engine
 from kvserve.params import StructuredOutput
 from kvserve.request import QueueFull, RequestCancelled
+from tests.configurations import REAL_CONFIGURATIONS, params
 from tests.engine.helpers import WORDS, make_config, request
 
 FINISH_REASONS = {"stop", "length", "cancelled", "slow_consumer", "queue_timeout", "queue_full"}
@@ -48,12 +50,12 @@ request_specs = st.fixed_dictionaries(
 GRAMMAR = StructuredOutput.regex(r"(river|stone|light|paper)( (river|stone|light|paper)){0,12}")
 
 
-_REFERENCE: dict[tuple[tuple[int, ...], bool], list[int]] = {}
+_REFERENCE: dict[tuple[int, tuple[int, ...], bool], list[int]] = {}
 
 
 def reference_tokens(loaded, prompt_ids: tuple[int, ...], constrained: bool) -> list[int]:
     """Greedy tokens for the prompt run alone on a fresh engine (cached across examples)."""
-    key = (prompt_ids, constrained)
+    key = (id(loaded), prompt_ids, constrained)
     if key not in _REFERENCE:
 
         async def alone():
@@ -137,7 +139,33 @@ async def drive(engine: Engine, tokenizer, index: int, spec: dict) -> dict:
 )
 @given(specs=st.lists(request_specs, min_size=1, max_size=6))
 def test_any_interleaving_drains_to_an_idle_engine(loaded_fp32, specs):
-    tokenizer = loaded_fp32.tokenizer
+    check_interleaving(loaded_fp32, specs)
+
+
+# The real qwen2.5-coder:0.5b in each way it runs (its blocks, int8 layers, float32): fewer
+# interleavings, each a hundred times the default model's work.
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "configuration",
+    [c for c in params(REAL_CONFIGURATIONS) if c.values[0].kv_cache_dtype == "model"],
+)
+@settings(
+    max_examples=3,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(specs=st.lists(request_specs, min_size=1, max_size=6))
+def test_a_real_model_drains_to_an_idle_engine_in_every_configuration(
+    request, configuration, specs
+):
+    check_interleaving(request.getfixturevalue(configuration.model_fixture), specs)
+
+
+def check_interleaving(loaded, specs) -> None:
+    """Run `specs` together on a small engine over `loaded` and check the drained state and
+    every request's ending and tokens (see the module docstring)."""
+    tokenizer = loaded.tokenizer
     threads_before = set(threading.enumerate())
     config = make_config(
         slots=2,
@@ -151,7 +179,7 @@ def test_any_interleaving_drains_to_an_idle_engine(loaded_fp32, specs):
     )
 
     async def main():
-        engine = Engine(config, loaded_fp32)
+        engine = Engine(config, loaded)
         await engine.start()
         results = await asyncio.gather(
             *(drive(engine, tokenizer, i, spec) for i, spec in enumerate(specs))
@@ -181,7 +209,7 @@ def test_any_interleaving_drains_to_an_idle_engine(loaded_fp32, specs):
             assert isinstance(final.error, RequestCancelled)
         # Its own tokens, never another request's: what each answer got is what the prompt
         # gets alone (greedy, so all n answers are that one).
-        expected = reference_tokens(loaded_fp32, result["prompt"], result["constrained"])
+        expected = reference_tokens(loaded, result["prompt"], result["constrained"])
         for index in range(spec["n"]):
             answer = [t for d in deltas if d.index == index for t in d.token_ids]
             assert len(answer) <= spec["max_tokens"]

@@ -23,13 +23,6 @@ pytestmark = pytest.mark.skipif(
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def qwen05_gguf(qwen05_path, tmp_path_factory):
-    """qwen2.5-coder:0.5b as `auto` loads it: its blocks kept."""
-    cache = tmp_path_factory.mktemp("prepared")
-    return load_model(str(qwen05_path), DeviceConfig(device="cpu", weight_cache_dir=str(cache)))
-
-
 def test_auto_keeps_a_k_quant_file_in_its_blocks(qwen05_gguf):
     assert qwen05_gguf.model.quantization == "gguf"
     assert qwen05_gguf.quantization_reason.startswith("auto: the file's blocks kept (")

@@ -443,3 +443,39 @@ def test_a_template_that_does_not_compile_is_refused_at_start(vocabulary):
         vocabulary.with_chat_template("{% for %}")
     assert vocabulary.with_chat_template(None).chat_template is None
     assert vocabulary.chat_template is not None  # the original is unchanged
+
+
+BARE_HERMES = [
+    # (answer, content, calls): a call that opens the answer bare or in a JSON fence is a call
+    (
+        '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Oslo"}\n}\n```',
+        "",
+        [("get_weather", {"city": "Oslo"})],
+    ),
+    ('{"name": "get_time", "arguments": {}}', "", [("get_time", {})]),
+    (
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}\nLet me check.',
+        "Let me check.",
+        [("get_weather", {"city": "Oslo"})],
+    ),
+    # ...and only that: other JSON, other fences and text stay content, as written
+    ('{"name": "Bob", "age": 3}', '{"name": "Bob", "age": 3}', []),
+    ('```json\n{"a": 1}\n```', '```json\n{"a": 1}\n```', []),
+    ("```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
+    ("`x` is a name", "`x` is a name", []),
+    ('{"name": "get_time", "arguments": {', '{"name": "get_time", "arguments": {', []),
+    (
+        'Sure. {"name": "get_time", "arguments": {}}',
+        'Sure. {"name": "get_time", "arguments": {}}',
+        [],
+    ),
+]
+
+
+@pytest.mark.parametrize(("answer", "content", "calls"), BARE_HERMES)
+def test_hermes_reads_a_call_that_opens_the_answer_bare_or_fenced(answer, content, calls):
+    for sizes in random_splits(len(answer)):
+        assert run(HermesToolParser(), answer, sizes) == (content, calls), sizes
+    # Mistral's syntax has its marker: a bare object there is content.
+    if calls:
+        assert MistralToolParser().parse(answer)[1] == []
