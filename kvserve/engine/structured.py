@@ -77,6 +77,29 @@ class GrammarState:
         advancing: one token's check, far cheaper than the whole vocabulary's mask."""
         return self.matcher.validate_tokens([token_id]) == 1
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, in order from here, the grammar allows (none consumed)."""
+        if not token_ids:
+            return 0
+        return self.matcher.validate_tokens(list(token_ids))
+
+    def draft_bitmasks(self, token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
+        """The masks of a speculative chunk's rows, `[len(token_ids) + 1, ceil(vocab / 32)]`
+        int32: row j's after the first j guesses. The matcher is advanced through the guesses
+        and rolled back after, so it is left where it was."""
+        bitmask = llguidance_torch.allocate_token_bitmask(len(token_ids) + 1, vocab_size)
+        consumed = 0
+        try:
+            for index in range(len(token_ids) + 1):
+                llguidance_torch.fill_next_token_bitmask(self.matcher, bitmask, index)
+                if index == len(token_ids) or not self.matcher.consume_token(token_ids[index]):
+                    break
+                consumed += 1
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+        return bitmask
+
     @property
     def is_stopped(self) -> bool:
         """Nothing but the end of the answer can follow."""
@@ -244,11 +267,24 @@ def fill_bitmasks(grammars: Sequence[GrammarState], vocab_size: int) -> torch.Te
 _filler: ThreadPoolExecutor | None = None
 
 
-def start_bitmasks(grammars: Sequence[GrammarState], vocab_size: int) -> Future[torch.Tensor]:
-    """`fill_bitmasks` started on the mask thread; its result is the bitmask tensor."""
+def start_draft_bitmasks(
+    items: Sequence[tuple[GrammarState, Sequence[int]]], vocab_size: int
+) -> Future[list[torch.Tensor]]:
+    """`GrammarState.draft_bitmasks` of each (grammar, guesses), started on the mask thread."""
+    return _filler_executor().submit(
+        lambda: [grammar.draft_bitmasks(guesses, vocab_size) for grammar, guesses in items]
+    )
+
+
+def _filler_executor() -> ThreadPoolExecutor:
     global _filler
     if _filler is None:
         with _executor_lock:
             if _filler is None:
                 _filler = ThreadPoolExecutor(1, thread_name_prefix="kvserve-masks")
-    return _filler.submit(fill_bitmasks, list(grammars), vocab_size)
+    return _filler
+
+
+def start_bitmasks(grammars: Sequence[GrammarState], vocab_size: int) -> Future[torch.Tensor]:
+    """`fill_bitmasks` started on the mask thread; its result is the bitmask tensor."""
+    return _filler_executor().submit(fill_bitmasks, list(grammars), vocab_size)
