@@ -21,7 +21,7 @@ from kvserve.core.plan import ChunkPlan, StepPlan
 from kvserve.engine.prompt_logprobs import score_rows
 from kvserve.engine.sampler import RowState, Sampler, Verified
 from kvserve.engine.stream import TokenLogprob
-from kvserve.engine.structured import start_bitmasks, start_draft_bitmasks
+from kvserve.engine.structured import GrammarAfter, start_bitmasks, start_draft_bitmasks
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.llama import LlamaModel
 
@@ -202,6 +202,7 @@ def _guess_rows(
             prompt_token_ids=base.prompt_token_ids,
             output_token_ids=[*base.output_token_ids, *guesses[:j]] if j else base.output_token_ids,
             suppressed_token_ids=base.suppressed_token_ids,
+            grammar=None if base.grammar is None else GrammarAfter(base.grammar, guesses[:j]),
             bitmask=None if masks is None else masks[j],
         )
         for j in range(len(guesses) + 1)

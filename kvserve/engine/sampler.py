@@ -94,8 +94,9 @@ class RowState:
     output_token_ids: Sequence[int] = ()
     suppressed_token_ids: Sequence[int] = ()
     grammar: GrammarState | None = None
-    # A row verifying a guess: its grammar's mask, already filled (`[ceil(vocab / 32)]` int32
-    # on the CPU), applied whatever the token; such a row has no `grammar`.
+    # A row verifying a guess under a grammar: its mask, already filled (`[ceil(vocab / 32)]`
+    # int32 on the CPU); its `grammar` then answers `allows` as the grammar would stand after
+    # the guesses before it (`kvserve.engine.structured.GrammarAfter`).
     bitmask: torch.Tensor | None = None
 
 
@@ -207,9 +208,14 @@ class Sampler:
             _apply_penalties(processed, rows)
 
         constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+        premasked = [
+            i for i, row in enumerate(rows) if row.bitmask is not None and not self.guesses(row)
+        ]
         if constrained:
             guessing = [i for i in constrained if self.guesses(rows[i])]
-            masked = [i for i in constrained if not self.guesses(rows[i])]
+            masked = [
+                i for i in constrained if not self.guesses(rows[i]) and rows[i].bitmask is None
+            ]
             if guessing:
                 index = torch.tensor(guessing, device=processed.device)
                 best = _argmax(processed.index_select(0, index), self.kernels).tolist()
@@ -220,6 +226,9 @@ class Sampler:
                 ]
             else:
                 missed = []
+            # A verifying row's mask is filled already.
+            premasked += [i for i in missed if rows[i].bitmask is not None]
+            missed = [i for i in missed if rows[i].bitmask is None]
             if masked or missed:
                 if not copied:
                     processed, copied = processed.clone(), True
@@ -231,7 +240,6 @@ class Sampler:
                 if missed:
                     missed_mask = fill_bitmasks([rows[i].grammar for i in missed], vocab_size)
                     apply_token_bitmask(processed, missed_mask, missed, self.kernels)
-        premasked = [i for i, row in enumerate(rows) if row.bitmask is not None]
         if premasked:
             if not copied:
                 processed, copied = processed.clone(), True

@@ -110,6 +110,22 @@ class GrammarState:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
 
+class GrammarAfter:
+    """A grammar as it would stand after some guessed tokens, for a row verifying the next
+    guess: it answers `allows` (the greedy rows' check before any mask) without advancing the
+    matcher; the row's mask is filled apart (`GrammarState.draft_bitmasks`)."""
+
+    __slots__ = ("base", "prefix")
+
+    def __init__(self, base: GrammarState, prefix: Sequence[int]) -> None:
+        self.base = base
+        self.prefix = list(prefix)
+
+    def allows(self, token_id: int) -> bool:
+        tokens = [*self.prefix, token_id]
+        return self.base.valid_prefix(tokens) == len(tokens)
+
+
 def grammar_text(constraint: StructuredOutput) -> str:
     """The llguidance grammar for a constraint (not yet checked: compiling checks it)."""
     kind, spec = constraint.kind, constraint.spec

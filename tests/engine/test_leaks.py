@@ -13,11 +13,13 @@ batch composition, which is rounding, not a leak)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvserve.config import SpeculativeConfig
 from kvserve.engine.engine import Engine
 from kvserve.params import StructuredOutput
 from kvserve.request import QueueFull, RequestCancelled
@@ -137,6 +139,26 @@ async def drive(engine: Engine, tokenizer, index: int, spec: dict) -> dict:
 )
 @given(specs=st.lists(request_specs, min_size=1, max_size=6))
 def test_any_interleaving_drains_to_an_idle_engine(loaded_fp32, specs):
+    check_drains(loaded_fp32, specs)
+
+
+# Speculative decoding on: the word prompts repeat, so prompt lookup guesses, some accepted and
+# some rolled back; cancels land between and after verifications, slow consumers fall behind
+# on several tokens a step. The answers are still the ones the prompt gets alone without it.
+@settings(
+    max_examples=10,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(specs=st.lists(request_specs, min_size=1, max_size=6))
+def test_any_interleaving_with_speculation_drains_to_an_idle_engine(loaded_fp32, specs):
+    check_drains(
+        loaded_fp32, specs, SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    )
+
+
+def check_drains(loaded_fp32, specs, speculative=None):
     tokenizer = loaded_fp32.tokenizer
     threads_before = set(threading.enumerate())
     config = make_config(
@@ -149,6 +171,7 @@ def test_any_interleaving_drains_to_an_idle_engine(loaded_fp32, specs):
         buffer=3,
         max_model_len=128,
     )
+    config = dataclasses.replace(config, speculative=speculative)
 
     async def main():
         engine = Engine(config, loaded_fp32)
