@@ -21,7 +21,7 @@ from kvserve.core.plan import ChunkPlan, StepPlan
 from kvserve.engine.prompt_logprobs import score_rows
 from kvserve.engine.sampler import RowState, Sampler, Verified
 from kvserve.engine.stream import TokenLogprob
-from kvserve.engine.structured import GrammarAfter, start_bitmasks, start_draft_bitmasks
+from kvserve.engine.structured import GrammarAfter, start_bitmasks
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.llama import LlamaModel
 
@@ -113,12 +113,15 @@ class Batch:
             if state.grammar is not None and not self.sampler.guesses(state)
         ]
         masks = start_bitmasks(grammars, vocab_size) if grammars else None
-        constrained = [
-            (rows[chunk.request_id].grammar, chunk.draft_token_ids)
-            for chunk in speculative
-            if rows[chunk.request_id].grammar is not None
-        ]
-        draft_masks = start_draft_bitmasks(constrained, vocab_size) if constrained else None
+        # A speculative chunk's masks walk its matcher through the guesses and back: filled here,
+        # on this thread, since nothing else may touch that matcher meanwhile.
+        draft_masks = iter(
+            [
+                rows[chunk.request_id].grammar.draft_bitmasks(chunk.draft_token_ids, vocab_size)
+                for chunk in speculative
+                if rows[chunk.request_id].grammar is not None
+            ]
+        )
         meta = self.model.attention.build_metadata(plan.chunks, self.block_size)
         layout = _logits_layout(plan, scored or {})
         if layout.custom:
@@ -133,12 +136,11 @@ class Batch:
             )
         verified: dict[str, tuple[ChunkPlan, Verified]] = {}
         if speculative:
-            drafted_masks = iter(draft_masks.result()) if draft_masks is not None else iter(())
             spec_rows: list[int] = []
             spec_states: list[RowState] = []
             for chunk, first in zip(speculative, layout.speculative_rows, strict=True):
                 base = rows[chunk.request_id]
-                chunk_masks = next(drafted_masks) if base.grammar is not None else None
+                chunk_masks = next(draft_masks) if base.grammar is not None else None
                 spec_rows.extend(range(first, first + chunk.num_tokens))
                 spec_states.extend(_guess_rows(base, chunk.draft_token_ids, chunk_masks))
             spec_logits = logits.index_select(

@@ -283,15 +283,6 @@ def fill_bitmasks(grammars: Sequence[GrammarState], vocab_size: int) -> torch.Te
 _filler: ThreadPoolExecutor | None = None
 
 
-def start_draft_bitmasks(
-    items: Sequence[tuple[GrammarState, Sequence[int]]], vocab_size: int
-) -> Future[list[torch.Tensor]]:
-    """`GrammarState.draft_bitmasks` of each (grammar, guesses), started on the mask thread."""
-    return _filler_executor().submit(
-        lambda: [grammar.draft_bitmasks(guesses, vocab_size) for grammar, guesses in items]
-    )
-
-
 def _filler_executor() -> ThreadPoolExecutor:
     global _filler
     if _filler is None:
