@@ -25,6 +25,7 @@ from kvserve.config import (
     SchedulerConfig,
     StreamConfig,
     env_default,
+    parse_speculative_config,
 )
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -210,6 +211,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         help="undelivered steps before a client is dropped as a slow consumer",
     )
     g.add_argument("--seed", type=int, default=e("--seed", 0, int))
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument(
+        "--speculative-config",
+        default=e("--speculative-config", None),
+        help='JSON, as vLLM: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4} guesses tokens by prompt lookup and '
+        'verifies them inside the step; "disable_by_batch_size" (default 8): above this many '
+        "decoding sequences nobody speculates (default: off)",
+    )
     g = parser.add_argument_group("chat")
     g.add_argument(
         "--chat-template",
@@ -297,6 +307,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         stream=StreamConfig(buffer_steps=args.stream_buffer),
         embedding=EmbeddingConfig(pooling=args.pooling),
+        speculative=parse_speculative_config(getattr(args, "speculative_config", None)),
         seed=args.seed,
         chat_template=chat_template_text(args.chat_template),
     )

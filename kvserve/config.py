@@ -6,7 +6,9 @@ explicitly to whoever needs them; they are never written back into these objects
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -171,6 +173,123 @@ class EmbeddingConfig:
             raise ValueError(f"unknown pooling {self.pooling!r} (use last or mean)")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Decoding sequences in a step above which nobody speculates: verification rows then cost more
+# than they save (each guess is a row of compute; a large batch already shares the weights'
+# read). vLLM's old `speculative_disable_by_batch_size`.
+DEFAULT_SPEC_DISABLE_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's `--speculative-config` spells it.
+
+    `method` "ngram" guesses the next `num_speculative_tokens` tokens by prompt lookup: the
+    longest suffix of the sequence's tokens of `prompt_lookup_min` .. `prompt_lookup_max` tokens
+    found earlier in them, and what followed it. "draft_model" guesses with a smaller `model`
+    of the same vocabulary. Guesses are verified inside the step (kvserve/core/spec.py).
+    `disable_by_batch_size`: with more decoding sequences than this in a step, none speculates.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    disable_by_batch_size: int = DEFAULT_SPEC_DISABLE_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method {self.method!r} is not supported (use "
+                f"{' or '.join(SPECULATIVE_METHODS)})"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('the "draft_model" method needs a "model"')
+        if self.method == "ngram" and self.model:
+            raise ValueError('the "ngram" method takes no "model"')
+
+    def describe(self) -> str:
+        """One line for the banner."""
+        if self.method == "ngram":
+            return (
+                f"speculative decoding: ngram prompt lookup, {self.num_speculative_tokens} "
+                f"tokens, n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max}; off above "
+                f"{self.disable_by_batch_size} decoding sequences"
+            )
+        return (
+            f"speculative decoding: draft model {self.model}, {self.num_speculative_tokens} "
+            f"tokens; off above {self.disable_by_batch_size} decoding sequences"
+        )
+
+
+_SPEC_KEYS = {
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "model",
+    "disable_by_batch_size",
+}
+
+
+def parse_speculative_config(
+    value: str | Mapping[str, object] | SpeculativeConfig | None,
+) -> SpeculativeConfig | None:
+    """A `SpeculativeConfig` from vLLM's JSON (text or a mapping); None stays None.
+
+    vLLM's spellings are read: a config naming a `model` and no method is "draft_model";
+    "[ngram]" and "draft" name the same methods; `prompt_lookup_min` alone sets the maximum
+    too when it is larger than the default. Unknown keys and bad values raise ValueError with
+    the reason, so a server refuses to start on them.
+    """
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError("--speculative-config must be a JSON object")
+    unknown = sorted(set(value) - _SPEC_KEYS)
+    if unknown:
+        raise ValueError(
+            f"--speculative-config has unknown key(s) {', '.join(map(repr, unknown))}; the keys "
+            f"are {', '.join(sorted(_SPEC_KEYS))}"
+        )
+    fields = dict(value)
+    if "num_speculative_tokens" not in fields:
+        raise ValueError("--speculative-config needs num_speculative_tokens")
+    method = fields.get("method")
+    if method is None:
+        method = "draft_model" if fields.get("model") else None
+    method = {"[ngram]": "ngram", "draft": "draft_model"}.get(method, method)
+    if method is None:
+        raise ValueError('--speculative-config needs a "method" ("ngram") or a draft "model"')
+    fields["method"] = method
+    if "prompt_lookup_min" in fields and "prompt_lookup_max" not in fields:
+        fields["prompt_lookup_max"] = max(fields["prompt_lookup_min"], 4)
+    if "prompt_lookup_max" in fields and "prompt_lookup_min" not in fields:
+        fields["prompt_lookup_min"] = min(fields["prompt_lookup_max"], 2)
+    try:
+        return SpeculativeConfig(**fields)
+    except TypeError as exc:
+        raise ValueError(f"--speculative-config: {exc}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs, grouped."""
@@ -182,6 +301,7 @@ class EngineConfig:
     queue: QueueConfig = QueueConfig()
     stream: StreamConfig = StreamConfig()
     embedding: EmbeddingConfig = EmbeddingConfig()
+    speculative: SpeculativeConfig | None = None  # None = no speculative decoding
     seed: int = 0
     # The Jinja chat template to use in place of the model's own (its text); None keeps it.
     chat_template: str | None = None

@@ -167,6 +167,9 @@ class SamplingParams:
     # (0..20), from the model's raw distribution (vLLM's `prompt_logprobs`).
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None  # None = free text
+    # False: this request's answers never speculate, whatever the server's speculative config
+    # (the answer is the same either way; only the time it takes changes).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -210,6 +213,8 @@ class SamplingParams:
         self._validate_stop(vocab_size)
         if not isinstance(self.ignore_eos, bool):
             raise SamplingParamsError("ignore_eos must be a boolean", "ignore_eos")
+        if not isinstance(self.speculative, bool):
+            raise SamplingParamsError("speculative must be a boolean", "speculative")
         _check_range(self.presence_penalty, "presence_penalty", -2.0, 2.0)
         _check_range(self.frequency_penalty, "frequency_penalty", -2.0, 2.0)
         _check_range(self.repetition_penalty, "repetition_penalty", 0.0, 2.0, low_inclusive=False)

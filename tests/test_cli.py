@@ -39,3 +39,23 @@ def test_admission_defaults_to_partial_and_reserve_stays_available() -> None:
     assert (chosen.admission, chosen.reserve_tokens) == ("reserve", 64)
     with pytest.raises(SystemExit):
         parse("--admission", "slot-only")
+
+
+def test_speculative_config_takes_vllms_json_and_refuses_a_bad_one() -> None:
+    assert parse().speculative is None
+    spec = parse(
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}',
+    ).speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 3, 5)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        parse("--speculative-config", '{"method": "ngram"}')
+
+
+def test_the_offline_llm_takes_speculative_config() -> None:
+    from kvserve.engine.llm import engine_config
+
+    config = engine_config(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert config.speculative.num_speculative_tokens == 2
+    with pytest.raises(ValueError, match="unknown key"):
+        engine_config(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "x": 1})

@@ -171,6 +171,23 @@ class BlockPool:
                 num_freed += 1
         return num_freed
 
+    def truncate(self, owner: str, num_blocks: int) -> int:
+        """Drop `owner`'s references to the blocks after its first `num_blocks` (a rollback of
+        positions computed past what it keeps); returns how many nobody references now."""
+        table = self._tables.get(owner)
+        if table is None or len(table) <= num_blocks:
+            return 0
+        dropped = table[num_blocks:]
+        del table[num_blocks:]
+        num_freed = 0
+        for block_id in reversed(dropped):
+            self._refcounts[block_id] -= 1
+            if self._refcounts[block_id] == 0:
+                if self._cache is None or not self._cache.on_free(block_id):
+                    self._free[block_id] = None
+                num_freed += 1
+        return num_freed
+
     def refcount(self, block_id: int) -> int:
         """How many owners reference `block_id` (0 = free)."""
         if not 0 <= block_id < self._num_blocks:

@@ -213,6 +213,13 @@ class KVManager:
         missing = self.num_missing(seq_id, num_positions)
         return missing == 0 or self._pool.allocate(seq_id, missing) is not None
 
+    def rollback(self, seq: Sequence) -> int:
+        """After a verification: free the blocks past the sequence's computed positions that
+        its reservation does not hold (grown for guesses that were rejected); returns how many
+        went back. Positions past `num_computed` in a kept block are simply overwritten later."""
+        keep = max(self.num_reserved(seq.seq_id), self.blocks_for(seq.num_computed))
+        return self._pool.truncate(seq.seq_id, keep)
+
     def coverable(self, seq_id: str) -> int:
         """Positions the sequence could cover with its own blocks plus every available one."""
         return (len(self.table(seq_id)) + self.num_free) * self.block_size

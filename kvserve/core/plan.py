@@ -31,6 +31,15 @@ class ChunkPlan:
     # The input token ids of the chunk's rows, built on the loop thread at planning time
     # (empty when the scheduler was given counts only).
     token_ids: tuple[int, ...] = ()
+    # A decode chunk that speculates: the guessed tokens after the last sampled one (the last
+    # `len(draft_token_ids)` entries of `token_ids`). Every row of such a chunk has logits;
+    # the guesses are verified in order and the accepted prefix kept (kvserve/core/spec.py).
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def is_speculative(self) -> bool:
+        """A decode chunk carrying guesses to verify."""
+        return bool(self.draft_token_ids)
 
     @property
     def sampler_ids(self) -> tuple[str, ...]:
@@ -82,6 +91,11 @@ class StepPlan:
     def num_prefill_rows(self) -> int:
         """Rows that compute prompt positions."""
         return sum(chunk.num_tokens for chunk in self.chunks if chunk.is_prefill)
+
+    @property
+    def num_draft_rows(self) -> int:
+        """Rows that verify guessed tokens."""
+        return sum(len(chunk.draft_token_ids) for chunk in self.chunks)
 
     @property
     def num_decode_rows(self) -> int:

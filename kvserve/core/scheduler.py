@@ -36,6 +36,14 @@ and cut to the rows left in `max_num_batched_tokens`), then one decode row per d
 sequence (in arrival order) while rows are left; a sequence without rows waits for the next
 step with its slot and blocks.
 
+Speculative decoding (`speculative`, kvserve/core/spec.py): once every decode row has its
+block, each decoding sequence that speculates (in arrival order, while rows are left, and only
+while the step has at most `disable_by_batch_size` decoding sequences) may add guessed tokens
+after its decode row: at most its `Acceptance.k`, at most `num_remaining - 1` (the budget holds
+the bonus token too), only with blocks its table has or the free pool gives (guesses never
+preempt). The update keeps the accepted prefix and the one token chosen after it, and rolls
+back the rest (`KVManager.rollback`).
+
 n > 1 (`Prompt.n`): one request, n sequences admitted all or nothing. The first (the leader)
 prefills; the others wait. The chunk that completes the prompt samples n tokens from its last
 row; then each follower takes the prompt's full blocks by reference and a copy of the partly
@@ -50,14 +58,18 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Sequence as Seq
 
-from kvserve.config import SchedulerConfig
+from kvserve.config import SchedulerConfig, SpeculativeConfig
 from kvserve.core.kv_manager import NO_HITS, ComputedBlocks, KVManager
 from kvserve.core.plan import ChunkPlan, StepPlan
 from kvserve.core.queue import AdmissionQueue, CapacitySignal, Outcome, Waiter
 from kvserve.core.sequence import Sequence, SequenceStatus
+from kvserve.core.spec import Acceptance, propose_ngram
+
+Proposer = Callable[[Sequence, int], Seq[int]]
+"""Guesses for a decoding sequence: (the sequence, at most how many) -> the guessed tokens."""
 
 RUNNING = SequenceStatus.RUNNING
 PREEMPTED = SequenceStatus.PREEMPTED
@@ -98,6 +110,9 @@ class Scheduler:
         kv: KVManager,
         max_model_len: int,
         capacity: CapacitySignal | None = None,
+        *,
+        speculative: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         if max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
@@ -112,8 +127,26 @@ class Scheduler:
         self._num_steps = 0
         self._pending_step: int | None = None  # the planned step awaiting update()
         self.num_preemptions = 0  # sequences preempted so far
+        self._spec = speculative
+        if proposer is None and speculative is not None and speculative.method == "ngram":
+            proposer = self._ngram
+        self._propose = proposer
+
+    def _ngram(self, seq: Sequence, num_tokens: int) -> tuple[int, ...]:
+        """Prompt lookup over the sequence's known tokens (nothing when only counts are known)."""
+        if not seq.tokens_known:
+            return ()
+        spec = self._spec
+        return propose_ngram(
+            seq.all_token_ids, num_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
 
     # -- introspection -------------------------------------------------------------------------
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The speculative decoding configuration (None: off)."""
+        return self._spec
 
     @property
     def kv(self) -> KVManager:
@@ -392,8 +425,9 @@ class Scheduler:
             num_tokens = self._cover(seq, num_tokens, preempted_ids)
             if num_tokens > 0:
                 granted[seq_id] = num_tokens
+        drafts = self._speculate(granted, budget)
         chunks = [
-            self._chunk(seq, granted[seq.seq_id])
+            self._chunk(seq, granted[seq.seq_id], drafts.get(seq.seq_id, ()))
             for prefill in (True, False)
             for seq in self._running
             if seq.seq_id in granted and seq.is_prefilling == prefill
@@ -410,6 +444,41 @@ class Scheduler:
             copies=self._kv.take_copies(seq.seq_id for seq in self._running),
             preempted_ids=tuple(preempted_ids),
         )
+
+    def _speculate(self, granted: Mapping[str, int], budget: int) -> dict[str, tuple[int, ...]]:
+        """Guesses for the decoding sequences that got their row (the rule in the module
+        docstring); `budget` is the rows left in the step."""
+        spec = self._spec
+        if spec is None or self._propose is None:
+            return {}
+        decoding = [
+            seq
+            for seq in self._running
+            if seq.seq_id in granted and seq.status is RUNNING and not seq.is_prefilling
+        ]
+        if not decoding or len(decoding) > spec.disable_by_batch_size:
+            return {}
+        drafts: dict[str, tuple[int, ...]] = {}
+        for seq in decoding:
+            if budget < 1:
+                break
+            if not seq.speculate:
+                continue
+            if seq.acceptance is None:
+                seq.acceptance = Acceptance(spec.num_speculative_tokens)
+            wanted = seq.acceptance.wants()
+            limit = min(wanted, seq.num_remaining - 1, self._max_model_len - seq.num_tokens, budget)
+            if limit < 1:
+                continue
+            guesses = tuple(self._propose(seq, limit))[:limit]
+            # Blocks for the guesses come from its table and the free pool only.
+            fit = self._kv.coverable(seq.seq_id) - seq.num_computed - 1
+            guesses = guesses[: max(fit, 0)]
+            if not guesses or not self._kv.grow(seq.seq_id, seq.num_computed + 1 + len(guesses)):
+                continue
+            drafts[seq.seq_id] = guesses
+            budget -= len(guesses)
+        return drafts
 
     def _on_schedule(self) -> None:
         """Called once a plan is made (a policy shown by the simulator closes its batch)."""
@@ -466,7 +535,7 @@ class Scheduler:
             keys = [_priority(g[0]) for g in self._preempted]
             self._preempted.insert(bisect.bisect(keys, _priority(resumable[0])), resumable)
 
-    def _chunk(self, seq: Sequence, num_tokens: int) -> ChunkPlan:
+    def _chunk(self, seq: Sequence, num_tokens: int, drafts: tuple[int, ...] = ()) -> ChunkPlan:
         end = seq.num_computed + num_tokens
         samples = end == seq.num_tokens
         sample_ids: tuple[str, ...] = ()
@@ -483,17 +552,18 @@ class Scheduler:
                 sample_ids = (seq.seq_id, *followers)
         token_ids: tuple[int, ...] = ()
         if seq.tokens_known:
-            token_ids = tuple(seq.all_token_ids[seq.num_computed : end])
+            token_ids = tuple(seq.all_token_ids[seq.num_computed : end]) + drafts
         return ChunkPlan(
             request_id=seq.seq_id,
             slot=seq.slot,
             start=seq.num_computed,
-            num_tokens=num_tokens,
+            num_tokens=num_tokens + len(drafts),
             block_ids=self._kv.table(seq.seq_id),
             is_prefill=seq.is_prefilling,
             samples=samples,
             sample_ids=sample_ids,
             token_ids=token_ids,
+            draft_token_ids=drafts,
         )
 
     def update(self, plan: StepPlan, stopped: Collection[str] = ()) -> list[Sequence]:
@@ -503,15 +573,18 @@ class Scheduler:
     def update_from_output(
         self,
         plan: StepPlan,
-        sampled: Mapping[str, int] | None,
+        sampled: Mapping[str, int | Seq[int]] | None,
         stopped: Collection[str] = (),
     ) -> list[Sequence]:
         """Record that `plan` ran and landed: advance each sequence's computed positions,
-        append the tokens sampled for it (`sampled`: sequence id -> token id; None counts
-        samples without ids; a sequence missing from it had its token dropped by the caller,
-        which ends it), fork the followers of a leader whose prompt is done, publish
-        every block the step completed, and run the one stop check on each new token
-        (`stopped`: the sequences whose stop string or grammar ended with it).
+        append the tokens sampled for it (`sampled`: sequence id -> token id, or for a
+        speculative chunk the tokens it kept, in order; None counts samples without ids; a
+        sequence missing from it had its token dropped by the caller, which ends it), fork the
+        followers of a leader whose prompt is done, publish every block the step completed, and
+        run the one stop check on each new token (`stopped`: the sequences whose stop string or
+        grammar ended with their last token). A speculative chunk's sequence keeps its tokens up
+        to the first that ends it, has its positions rolled back to them and the blocks freed
+        that this empties.
 
         Returns the sequences that finished (their status says why); the caller releases them.
         Chunks of sequences released while the step ran are skipped. A plan other than the
@@ -529,6 +602,10 @@ class Scheduler:
         for chunk in plan.chunks:
             seq = self._by_id.get(chunk.request_id)
             if seq is None or seq.status is not RUNNING:
+                continue
+            if chunk.is_speculative:
+                if self._verified(seq, chunk, sampled, seq.seq_id in stopped):
+                    finished.append(seq)
                 continue
             seq.num_computed += chunk.num_tokens
             for seq_id in chunk.sampler_ids:
@@ -553,6 +630,50 @@ class Scheduler:
         self._kv.drop_copy_sources(plan)
         self._pending_step = None
         return finished
+
+    def _verified(
+        self,
+        seq: Sequence,
+        chunk: ChunkPlan,
+        sampled: Mapping[str, int | Seq[int]] | None,
+        stopped: bool,
+    ) -> bool:
+        """Apply a speculative chunk's outcome to its sequence; True when the sequence ended.
+        Without ids (counts only) the chunk counts as one token kept, no guess accepted."""
+        drafts = chunk.draft_token_ids
+        tokens: Seq[int | None]
+        if sampled is None:
+            tokens = (None,)
+        else:
+            got = sampled.get(seq.seq_id)
+            tokens = () if got is None else (got,) if isinstance(got, int) else tuple(got)
+        if seq.acceptance is not None:
+            accepted = 0
+            while accepted < min(len(drafts), len(tokens)) and tokens[accepted] == drafts[accepted]:
+                accepted += 1
+            seq.acceptance.record(len(drafts), accepted)
+        ended = False
+        if not tokens:  # its token was dropped (the request ends at this boundary)
+            seq.num_output += 1
+            seq.num_computed = chunk.start + 1
+        else:
+            kept = 0
+            for index, token in enumerate(tokens):
+                seq.num_output += 1
+                kept += 1
+                if token is not None:
+                    seq.output_token_ids.append(token)
+                status = seq.stop_status(token, stopped and index == len(tokens) - 1)
+                if status is not None:
+                    seq.status = status
+                    ended = True
+                    break
+            # The KV of the last sampled token and of each kept guess was computed; the token
+            # chosen last is computed by the next step.
+            seq.num_computed = chunk.start + kept
+        self._kv.rollback(seq)
+        self._kv.publish(seq)
+        return ended
 
     def abort(self, plan: StepPlan) -> None:
         """The step failed: nothing it planned counts and nothing is published. The caller

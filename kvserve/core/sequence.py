@@ -22,6 +22,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvserve.core.spec import Acceptance
+
 
 class SequenceStatus(enum.Enum):
     """Where a sequence is. Each finished status's value is the finish reason reported."""
@@ -95,6 +97,8 @@ class Sequence:
     leader_id: str | None = None  # n > 1: the sequence prefilling for this one, until forked
     follower_ids: tuple[str, ...] = ()  # n > 1, on the leader: the sequences it prefills for
     num_preemptions: int = 0
+    speculate: bool = True  # False: the request opted out of speculative decoding
+    acceptance: Acceptance | None = None  # its speculation record, once it first speculates
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -170,12 +174,14 @@ class Sequence:
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """What the records of a request's answers share: its prompt's tokens (for prefix lookups),
-    the tenant's cache salt, how many answers, and whether cached KV may stand in for rows."""
+    the tenant's cache salt, how many answers, whether cached KV may stand in for rows, and
+    whether its answers may speculate."""
 
     token_ids: tuple[int, ...] = ()
     salt: str | None = None
     n: int = 1
     reuse: bool = True
+    speculate: bool = True
 
 
 def make_sequences(
@@ -205,6 +211,7 @@ def make_sequences(
             stop_token_ids=stop_token_ids,
             salt=prompt.salt,
             reuse=prompt.reuse,
+            speculate=prompt.speculate,
             request_id=request_id,
             index=index,
             status=status,

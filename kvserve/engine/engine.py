@@ -70,6 +70,7 @@ from kvserve.core import (
     admit_waiting,
     make_sequences,
 )
+from kvserve.core.spec import propose_ngram
 from kvserve.engine.batch import Batch, Sampled, StepOutput
 from kvserve.engine.embedding import Embedder, EmbeddingJob, EmbeddingObserver, decoder_embedder
 from kvserve.engine.sampler import RowState, Sampler, make_generator
@@ -111,6 +112,10 @@ class EngineObserver(EmbeddingObserver):
 
     def on_step(self, plan: StepPlan, seconds: float) -> None: ...
 
+    def on_speculated(self, state: RequestState, num_drafted: int, num_accepted: int) -> None:
+        """One of the request's answers verified `num_drafted` guesses and accepted the first
+        `num_accepted` of them."""
+
 
 class Observers(EngineObserver):
     """Several observers, each told everything in order."""
@@ -141,6 +146,10 @@ class Observers(EngineObserver):
     def on_step(self, plan: StepPlan, seconds: float) -> None:
         for observer in self.observers:
             observer.on_step(plan, seconds)
+
+    def on_speculated(self, state: RequestState, num_drafted: int, num_accepted: int) -> None:
+        for observer in self.observers:
+            observer.on_speculated(state, num_drafted, num_accepted)
 
     def on_embedding_finished(self, job: EmbeddingJob) -> None:
         for observer in self.observers:
@@ -309,6 +318,12 @@ class Engine:
         record_steps: bool = False,
     ) -> None:
         self.config = config
+        spec = config.speculative
+        if spec is not None and spec.method != "ngram":
+            raise ValueError(
+                f"speculative method {spec.method!r} is not available in this build; "
+                'use {"method": "ngram", ...}'
+            )
         self.loaded = loaded or load_model(config.model, config.device)
         self.tokenizer = self.loaded.tokenizer
         if config.chat_template is not None:
@@ -378,8 +393,14 @@ class Engine:
             return
         self._wake = asyncio.Event()
         self._signal = _WakingSignal(self._wake)
+        spec = self.config.speculative
         self.scheduler = Scheduler(
-            self.config.scheduler, self.kv, self.max_model_len, capacity=self._signal
+            self.config.scheduler,
+            self.kv,
+            self.max_model_len,
+            capacity=self._signal,
+            speculative=spec,
+            proposer=self._propose if spec is not None else None,
         )
         self._stopping = False
         self._loop = asyncio.get_running_loop()
@@ -406,6 +427,19 @@ class Engine:
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    def _propose(self, seq: Sequence, num_tokens: int) -> tuple[int, ...]:
+        """Guesses for a decoding sequence (called by the scheduler while it plans): prompt
+        lookup over its tokens, cut before the first one its grammar forbids (that one could
+        never be accepted)."""
+        spec = self.config.speculative
+        guesses = propose_ngram(
+            seq.all_token_ids, num_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
+        entry = self._answers.get(seq.seq_id)
+        if guesses and entry is not None and entry[1].grammar is not None:
+            guesses = guesses[: entry[1].grammar.valid_prefix(guesses)]
+        return guesses
 
     @property
     def step_log(self) -> deque[StepRecord] | None:
@@ -456,7 +490,13 @@ class Engine:
             request_id,
             len(prompt),
             budget,
-            Prompt(prompt, request.cache_salt, params.n, reuse=not request.needs_prompt_logprobs),
+            Prompt(
+                prompt,
+                request.cache_salt,
+                params.n,
+                reuse=not request.needs_prompt_logprobs,
+                speculate=params.speculative,
+            ),
             stop_token_ids=frozenset(stop_ids),
             status=SequenceStatus.WAITING_FOR_GRAMMAR if compiling else SequenceStatus.WAITING,
         )
@@ -780,12 +820,14 @@ class Engine:
             entry = self._answers.get(seq_id)
             if entry is not None and entry[0].prompt_logprobs is not None:
                 entry[0].prompt_logprobs.extend(scored)
-        arrived: list[tuple[RequestState, Answer, Sampled, str]] = []
+        arrived: list[tuple[RequestState, Answer, list[Sampled], str]] = []
         stopped: set[str] = set()
         failed: dict[str, RequestState] = {}
+        kept: dict[str, int | tuple[int, ...]] = {}
         for chunk in plan.chunks:
             for seq_id in chunk.sampler_ids:
-                sampled = output.sampled.get(seq_id)
+                speculated = output.speculated.get(seq_id) if chunk.is_speculative else None
+                sampled = speculated.tokens if speculated else output.sampled.get(seq_id)
                 entry = self._answers.get(seq_id)
                 if sampled is None or entry is None:
                     continue
@@ -794,26 +836,25 @@ class Engine:
                     continue
                 if answer.seq.status is not SequenceStatus.RUNNING:
                     continue
-                token = sampled.token_id
-                if answer.grammar is not None and not answer.grammar.accept(token):
-                    # The mask allowed only grammar tokens; this is a grammar engine failure.
+                if speculated is not None:
+                    self.observer.on_speculated(
+                        state, speculated.num_drafted, speculated.num_accepted
+                    )
+                tokens, text, ended = self._take_tokens(
+                    answer, sampled if speculated else (sampled,)
+                )
+                if tokens is None:
                     failed[state.request_id] = state
                     continue
-                detok = answer.detokenizer
-                if token in answer.seq.stop_token_ids:
-                    text = detok.flush()  # a stop token adds no text
-                else:
-                    text = detok.add(token)
-                    # A stop string, or a grammar that is complete and allows nothing more
-                    # (ending without the step that would only draw the end-of-sequence token).
-                    if detok.stopped or (answer.grammar is not None and answer.grammar.is_stopped):
-                        stopped.add(seq_id)
-                arrived.append((state, answer, sampled, text))
-        kept = {answer.seq_id: sampled.token_id for _, answer, sampled, _ in arrived}
+                if ended:
+                    stopped.add(seq_id)
+                arrived.append((state, answer, tokens, text))
+                ids = tuple(token.token_id for token in tokens)
+                kept[seq_id] = ids if speculated else ids[0]
         self.scheduler.update_from_output(plan, kept, stopped)
         by_request: dict[str, int] = {}
-        for state, _, _, _ in arrived:
-            by_request[state.request_id] = by_request.get(state.request_id, 0) + 1
+        for state, _, tokens, _ in arrived:
+            by_request[state.request_id] = by_request.get(state.request_id, 0) + len(tokens)
         for request_id, count in by_request.items():
             state = self._requests[request_id]
             self.observer.on_token(state, now, count)  # sees the previous step's time
@@ -829,20 +870,53 @@ class Engine:
             error = EngineError(f"structured output failed: {grammar and grammar.error}")
             self._end(state, SequenceStatus.FINISHED_ERROR, error=error)
 
+    @staticmethod
+    def _take_tokens(
+        answer: Answer, sampled: Seq[Sampled]
+    ) -> tuple[list[Sampled] | None, str, bool]:
+        """Give a step's tokens for one answer (one, or a verification's kept tokens) to its
+        matcher and detokenizer, up to the first that ends it (a stop token, a stop string, a
+        complete grammar). Returns the tokens taken (None: the grammar refused one, a grammar
+        engine failure), their text, and whether a stop string or the grammar ended it."""
+        taken: list[Sampled] = []
+        text = ""
+        detok = answer.detokenizer
+        for item in sampled:
+            token = item.token_id
+            if answer.grammar is not None and not answer.grammar.accept(token):
+                # The mask allowed only grammar tokens; this is a grammar engine failure.
+                return None, "", False
+            taken.append(item)
+            if token in answer.seq.stop_token_ids:
+                return taken, text + detok.flush(), False  # a stop token adds no text
+            text += detok.add(token)
+            # A stop string, or a grammar that is complete and allows nothing more (ending
+            # without the step that would only draw the end-of-sequence token).
+            if detok.stopped or (answer.grammar is not None and answer.grammar.is_stopped):
+                return taken, text, True
+        return taken, text, False
+
     def _deliver(
-        self, state: RequestState, answer: Answer, sampled: Sampled, text: str, now: float
+        self,
+        state: RequestState,
+        answer: Answer,
+        sampled: Seq[Sampled],
+        text: str,
+        now: float,
     ) -> None:
-        """One token's delta; the answer's last one when its sequence finished."""
-        token = sampled.token_id
-        logprobs = ()
-        if sampled.logprob is not None:
-            logprobs = (TokenLogprob(token, sampled.logprob, tuple(sampled.top_logprobs or ())),)
+        """One step's delta for one answer (one token, or a verification's kept tokens); the
+        answer's last one when its sequence finished."""
+        logprobs = tuple(
+            TokenLogprob(item.token_id, item.logprob, tuple(item.top_logprobs or ()))
+            for item in sampled
+            if item.logprob is not None
+        )
         prompt_logprobs = None
-        if state.prompt_logprobs is not None and len(answer.output_token_ids) == 1:
+        if state.prompt_logprobs is not None and len(answer.output_token_ids) == len(sampled):
             prompt_logprobs = tuple(state.prompt_logprobs)
         delta = Delta(
             text=text,
-            token_ids=(token,),
+            token_ids=tuple(item.token_id for item in sampled),
             logprobs=logprobs,
             timestamp=now,
             index=answer.index,

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, parse_speculative_config
 from kvserve.engine.engine import Engine
 from kvserve.engine.stream import Delta, TokenLogprob
 from kvserve.model.loader import LoadedModel
@@ -45,6 +45,7 @@ ENGINE_OPTIONS: dict[str, tuple[str, str]] = {
     "max_model_len": ("scheduler", "max_model_len"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "seed": ("", "seed"),
+    "speculative_config": ("", "speculative"),
 }
 """Keyword options of `LLM`: name -> (EngineConfig group, field); "" is EngineConfig itself."""
 
@@ -114,6 +115,8 @@ def engine_config(
         group, field_name = ENGINE_OPTIONS[name]
         groups.setdefault(group, {})[field_name] = value
     top = groups.pop("", {})
+    if "speculative" in top:
+        top["speculative"] = parse_speculative_config(top["speculative"])
     for group, values in groups.items():
         top[group] = dataclasses.replace(getattr(config, group), **values)
     return dataclasses.replace(config, **top)

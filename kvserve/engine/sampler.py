@@ -26,10 +26,21 @@ CDF: one uniform number per row, taken from that row's own generator when the re
 seed, against the cumulative sum of the surviving probabilities. A seeded request therefore
 produces the same tokens whichever other rows share its batch and wherever it sits in it, and its
 generator advances by exactly one draw per randomly sampled step.
+
+Speculative verification (`Sampler.verify`) takes the rows of a speculative chunk: row j is the
+target's distribution after the first j guesses (its history, penalties and grammar mask as if
+they had been accepted). Each row is processed exactly as above, then row j draws its own token
+with the same single uniform number the row would use without speculation, and the guess is
+accepted when they agree. For a greedy row that is "accept while the guess is the argmax"; for
+a random row it is the rejection rule with a point-mass proposal: the guess is accepted with
+probability p(guess), and otherwise the token drawn is distributed as p without the guess,
+renormalised. The output distribution is the target's, and a seeded request draws exactly the
+same numbers (one per token it keeps) as without speculation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -83,6 +94,10 @@ class RowState:
     output_token_ids: Sequence[int] = ()
     suppressed_token_ids: Sequence[int] = ()
     grammar: GrammarState | None = None
+    # A row verifying a guess under a grammar: its mask, already filled (`[ceil(vocab / 32)]`
+    # int32 on the CPU); its `grammar` then answers `allows` as the grammar would stand after
+    # the guesses before it (`kvserve.engine.structured.GrammarAfter`).
+    bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -97,6 +112,19 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
+
+
+@dataclass(slots=True)
+class Verified:
+    """One speculative chunk's outcome: the tokens it keeps (its accepted guesses, then the
+    token chosen after them), their log-probabilities where asked for, and where its rows
+    start in the logits."""
+
+    token_ids: list[int]
+    first_row: int
+    num_accepted: int
+    logprobs: list[float | None] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]] | None] = dataclasses.field(default_factory=list)
 
 
 class Sampler:
@@ -180,9 +208,14 @@ class Sampler:
             _apply_penalties(processed, rows)
 
         constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+        premasked = [
+            i for i, row in enumerate(rows) if row.bitmask is not None and not self.guesses(row)
+        ]
         if constrained:
             guessing = [i for i in constrained if self.guesses(rows[i])]
-            masked = [i for i in constrained if not self.guesses(rows[i])]
+            masked = [
+                i for i in constrained if not self.guesses(rows[i]) and rows[i].bitmask is None
+            ]
             if guessing:
                 index = torch.tensor(guessing, device=processed.device)
                 best = _argmax(processed.index_select(0, index), self.kernels).tolist()
@@ -193,6 +226,9 @@ class Sampler:
                 ]
             else:
                 missed = []
+            # A verifying row's mask is filled already.
+            premasked += [i for i in missed if rows[i].bitmask is not None]
+            missed = [i for i in missed if rows[i].bitmask is None]
             if masked or missed:
                 if not copied:
                     processed, copied = processed.clone(), True
@@ -204,6 +240,11 @@ class Sampler:
                 if missed:
                     missed_mask = fill_bitmasks([rows[i].grammar for i in missed], vocab_size)
                     apply_token_bitmask(processed, missed_mask, missed, self.kernels)
+        if premasked:
+            if not copied:
+                processed, copied = processed.clone(), True
+            stacked = torch.stack([rows[i].bitmask for i in premasked])
+            apply_token_bitmask(processed, stacked, premasked, self.kernels)
         return processed
 
     def sample(
@@ -257,8 +298,91 @@ class Sampler:
             token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs
         )
 
+    def verify(
+        self, logits: torch.Tensor, rows: Sequence[RowState], drafts: Sequence[Sequence[int]]
+    ) -> list[Verified]:
+        """Verify speculative chunks' guesses (see the module docstring).
+
+        logits: `[sum(len(d) + 1 for d in drafts), vocab]`, each chunk's rows in order; `rows`:
+        one state per logits row, row j of a chunk carrying the history (and grammar mask) after
+        its first j guesses; `drafts`: each chunk's guesses. Returns one `Verified` per chunk.
+        """
+        if logits.dim() != 2 or logits.shape[0] != sum(len(d) + 1 for d in drafts):
+            raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the drafts")
+        processed = self.process_logits(logits, rows)
+        device = processed.device
+        greedy_indices = [i for i, row in enumerate(rows) if _is_greedy(row.params)]
+        random_indices = [i for i, row in enumerate(rows) if not _is_greedy(row.params)]
+        best: dict[int, int] = {}
+        if greedy_indices:
+            picked = _argmax(_select_rows(processed, greedy_indices).contiguous(), self.kernels)
+            best = dict(zip(greedy_indices, picked.tolist(), strict=True))
+        # cumulative: [random rows, vocab], each random row's surviving weights summed up
+        cumulative = None
+        where: dict[int, int] = {}
+        if random_indices:
+            weights = self._weights(
+                _select_rows(processed, random_indices), [rows[i] for i in random_indices]
+            )
+            cumulative = weights.cumsum(dim=-1)
+            where = {row: position for position, row in enumerate(random_indices)}
+        chosen = torch.zeros(len(rows), dtype=torch.long, device=device)
+        results: list[Verified] = []
+        used: list[int] = []
+        offset = 0
+        for guesses in drafts:
+            tokens: list[int] = []
+            for j in range(len(guesses) + 1):
+                index = offset + j
+                if index in best:
+                    token = best[index]
+                else:
+                    row_cum = cumulative[where[index] : where[index] + 1]
+                    token = self._draw(row_cum, self._uniforms([rows[index]], device))
+                tokens.append(token)
+                used.append(index)
+                if j == len(guesses) or token != guesses[j]:
+                    break
+            chosen[offset : offset + len(tokens)] = torch.tensor(tokens, device=device)
+            results.append(Verified(tokens, offset, len(tokens) - 1))
+            offset += len(guesses) + 1
+        logprob_indices = [i for i in used if rows[i].params.logprobs is not None]
+        logprobs: list[float | None] = [None] * len(rows)
+        top_logprobs: list[list[tuple[int, float]] | None] = [None] * len(rows)
+        if logprob_indices:
+            _fill_logprobs(processed, chosen, rows, logprob_indices, logprobs, top_logprobs)
+        for result in results:
+            first = result.first_row
+            result.logprobs = logprobs[first : first + len(result.token_ids)]
+            result.top_logprobs = top_logprobs[first : first + len(result.token_ids)]
+        return results
+
+    @staticmethod
+    def _draw(cumulative: torch.Tensor, uniforms: torch.Tensor) -> int:
+        """The inverse-CDF draw of one row (`cumulative` [1, vocab], `uniforms` [1, 1]), the
+        same arithmetic as `_sample_random`'s."""
+        totals = cumulative[:, -1:]
+        below_totals = torch.nextafter(totals, torch.zeros_like(totals))
+        targets = torch.minimum(uniforms * totals, below_totals)
+        return int(torch.searchsorted(cumulative, targets, right=True).item())
+
     def _sample_random(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
         """Draw from rows that all sample randomly; `logits` [rows, vocab] is left unchanged."""
+        weights = self._weights(logits, rows)
+        # Inverse-CDF draw: one uniform number per row from that row's generator.
+        cumulative = weights.cumsum(dim=-1)
+        totals = cumulative[:, -1:]
+        uniforms = self._uniforms(rows, logits.device)
+        # Strictly below the total, so the search always lands on a token with weight > 0: a
+        # zero-weight token repeats its predecessor's cumulative value and is never the first
+        # entry above the target.
+        below_totals = torch.nextafter(totals, torch.zeros_like(totals))
+        targets = torch.minimum(uniforms * totals, below_totals)
+        return torch.searchsorted(cumulative, targets, right=True).squeeze(1)
+
+    def _weights(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
+        """The probabilities rows that sample randomly draw from, `[rows, vocab]`: temperature,
+        then truncation (dropped tokens at 0, not renormalised)."""
         device = logits.device
         num_rows, vocab_size = logits.shape
 
@@ -298,18 +422,7 @@ class Sampler:
             thresholds = torch.maximum(thresholds, min_p_thresholds)
             truncated = True
         # weights: [rows, vocab], probabilities with dropped tokens at 0 (not renormalised)
-        weights = torch.where(probs >= thresholds, probs, 0.0) if truncated else probs
-
-        # Inverse-CDF draw: one uniform number per row from that row's generator.
-        cumulative = weights.cumsum(dim=-1)
-        totals = cumulative[:, -1:]
-        uniforms = self._uniforms(rows, device)
-        # Strictly below the total, so the search always lands on a token with weight > 0: a
-        # zero-weight token repeats its predecessor's cumulative value and is never the first
-        # entry above the target.
-        below_totals = torch.nextafter(totals, torch.zeros_like(totals))
-        targets = torch.minimum(uniforms * totals, below_totals)
-        return torch.searchsorted(cumulative, targets, right=True).squeeze(1)
+        return torch.where(probs >= thresholds, probs, 0.0) if truncated else probs
 
     def _uniforms(self, rows: Sequence[RowState], device: torch.device) -> torch.Tensor:
         """One uniform number in [0, 1) per row, as `[rows, 1]`."""

@@ -77,6 +77,29 @@ class GrammarState:
         advancing: one token's check, far cheaper than the whole vocabulary's mask."""
         return self.matcher.validate_tokens([token_id]) == 1
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, in order from here, the grammar allows (none consumed)."""
+        if not token_ids:
+            return 0
+        return self.matcher.validate_tokens(list(token_ids))
+
+    def draft_bitmasks(self, token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
+        """The masks of a speculative chunk's rows, `[len(token_ids) + 1, ceil(vocab / 32)]`
+        int32: row j's after the first j guesses. The matcher is advanced through the guesses
+        and rolled back after, so it is left where it was."""
+        bitmask = llguidance_torch.allocate_token_bitmask(len(token_ids) + 1, vocab_size)
+        consumed = 0
+        try:
+            for index in range(len(token_ids) + 1):
+                llguidance_torch.fill_next_token_bitmask(self.matcher, bitmask, index)
+                if index == len(token_ids) or not self.matcher.consume_token(token_ids[index]):
+                    break
+                consumed += 1
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+        return bitmask
+
     @property
     def is_stopped(self) -> bool:
         """Nothing but the end of the answer can follow."""
@@ -85,6 +108,22 @@ class GrammarState:
     @property
     def error(self) -> str | None:
         return self.matcher.get_error() if self.matcher.is_error() else None
+
+
+class GrammarAfter:
+    """A grammar as it would stand after some guessed tokens, for a row verifying the next
+    guess: it answers `allows` (the greedy rows' check before any mask) without advancing the
+    matcher; the row's mask is filled apart (`GrammarState.draft_bitmasks`)."""
+
+    __slots__ = ("base", "prefix")
+
+    def __init__(self, base: GrammarState, prefix: Sequence[int]) -> None:
+        self.base = base
+        self.prefix = list(prefix)
+
+    def allows(self, token_id: int) -> bool:
+        tokens = [*self.prefix, token_id]
+        return self.base.valid_prefix(tokens) == len(tokens)
 
 
 def grammar_text(constraint: StructuredOutput) -> str:
@@ -244,11 +283,15 @@ def fill_bitmasks(grammars: Sequence[GrammarState], vocab_size: int) -> torch.Te
 _filler: ThreadPoolExecutor | None = None
 
 
-def start_bitmasks(grammars: Sequence[GrammarState], vocab_size: int) -> Future[torch.Tensor]:
-    """`fill_bitmasks` started on the mask thread; its result is the bitmask tensor."""
+def _filler_executor() -> ThreadPoolExecutor:
     global _filler
     if _filler is None:
         with _executor_lock:
             if _filler is None:
                 _filler = ThreadPoolExecutor(1, thread_name_prefix="kvserve-masks")
-    return _filler.submit(fill_bitmasks, list(grammars), vocab_size)
+    return _filler
+
+
+def start_bitmasks(grammars: Sequence[GrammarState], vocab_size: int) -> Future[torch.Tensor]:
+    """`fill_bitmasks` started on the mask thread; its result is the bitmask tensor."""
+    return _filler_executor().submit(fill_bitmasks, list(grammars), vocab_size)

@@ -115,6 +115,7 @@ def banner(engine: Engine, model_name: str, url: str, server_config: ServerConfi
             f"= {pool.num_bytes} bytes; "
             + pool.capacity(engine.max_model_len, config.scheduler.reserve_tokens),
             f"  admission: {_admission(config.scheduler)}",
+            f"  {_speculation(config.speculative)}",
             f"  slots: {slots}, queue: {config.queue.max_queue_per_slot} per slot "
             f"({slots * config.queue.max_queue_per_slot} waiters), wait budget "
             f"{config.queue.queue_timeout:g} s, max model len {engine.max_model_len}",
@@ -122,6 +123,12 @@ def banner(engine: Engine, model_name: str, url: str, server_config: ServerConfi
             f"  listening on {url}  (OpenAI base URL: {url}/v1; Ollama host: {url})",
         ]
     )
+
+
+def _speculation(spec) -> str:
+    if spec is None:
+        return "speculative decoding: off (--speculative-config turns it on)"
+    return spec.describe()
 
 
 def _admission(scheduler) -> str:

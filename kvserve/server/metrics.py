@@ -143,6 +143,23 @@ class ServerMetrics(EngineObserver):
             "Sequences preempted (their blocks given back, resumed later by recompute).",
             registry=r,
         )
+        self.spec_decode_num_drafts = Counter(
+            "kvserve:spec_decode_num_drafts",
+            "Speculative verifications (one per sequence per step that guessed).",
+            registry=r,
+        )
+        self.spec_decode_num_draft_tokens = Counter(
+            "kvserve:spec_decode_num_draft_tokens", "Guessed tokens verified.", registry=r
+        )
+        self.spec_decode_num_accepted_tokens = Counter(
+            "kvserve:spec_decode_num_accepted_tokens", "Guessed tokens accepted.", registry=r
+        )
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "kvserve:spec_decode_num_accepted_tokens_per_pos",
+            "Guessed tokens accepted, by their position in the guess (0 = the first).",
+            ["position"],
+            registry=r,
+        )
         self.prefix_cache_queries = Counter(
             "kvserve:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache (admitted requests, cache on).",
@@ -263,8 +280,13 @@ class ServerMetrics(EngineObserver):
         return value
 
     def bind(self, engine: Engine) -> None:
-        """Read the gauges from this engine from now on."""
+        """Read the gauges from this engine from now on (and export each guess position's
+        acceptance from 0 when it speculates)."""
         self._engine = engine
+        spec = getattr(getattr(engine, "config", None), "speculative", None)
+        if spec is not None:
+            for position in range(spec.num_speculative_tokens):
+                self.spec_decode_num_accepted_tokens_per_pos.labels(str(position))
 
     # -- engine hooks (event loop thread) ------------------------------------------------------
 
@@ -294,6 +316,13 @@ class ServerMetrics(EngineObserver):
 
     def on_preempted(self, state: RequestState, num_sequences: int) -> None:
         self.num_preemptions.inc(num_sequences)
+
+    def on_speculated(self, state: RequestState, num_drafted: int, num_accepted: int) -> None:
+        self.spec_decode_num_drafts.inc()
+        self.spec_decode_num_draft_tokens.inc(num_drafted)
+        self.spec_decode_num_accepted_tokens.inc(num_accepted)
+        for position in range(num_accepted):
+            self.spec_decode_num_accepted_tokens_per_pos.labels(str(position)).inc()
 
     def on_embedding_finished(self, job: EmbeddingJob) -> None:
         outcome = job.outcome or "unknown"

@@ -13,12 +13,14 @@ batch composition, which is rounding, not a leak)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvserve.config import SpeculativeConfig
 from kvserve.engine.engine import Engine
 from kvserve.params import StructuredOutput
 from kvserve.request import QueueFull, RequestCancelled
@@ -142,6 +144,22 @@ def test_any_interleaving_drains_to_an_idle_engine(loaded_fp32, specs):
     check_interleaving(loaded_fp32, specs)
 
 
+# Speculative decoding on: the word prompts repeat, so prompt lookup guesses, some accepted and
+# some rolled back; cancels land between and after verifications, slow consumers fall behind
+# on several tokens a step. The answers are still the ones the prompt gets alone without it.
+@settings(
+    max_examples=10,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(specs=st.lists(request_specs, min_size=1, max_size=6))
+def test_any_interleaving_with_speculation_drains_to_an_idle_engine(loaded_fp32, specs):
+    check_interleaving(
+        loaded_fp32, specs, SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    )
+
+
 # The real qwen2.5-coder:0.5b in each way it runs (its blocks, int8 layers, float32): fewer
 # interleavings, each a hundred times the default model's work.
 @pytest.mark.slow
@@ -162,9 +180,10 @@ def test_a_real_model_drains_to_an_idle_engine_in_every_configuration(
     check_interleaving(request.getfixturevalue(configuration.model_fixture), specs)
 
 
-def check_interleaving(loaded, specs) -> None:
-    """Run `specs` together on a small engine over `loaded` and check the drained state and
-    every request's ending and tokens (see the module docstring)."""
+def check_interleaving(loaded, specs, speculative=None) -> None:
+    """Run `specs` together on a small engine over `loaded` (speculating with `speculative`)
+    and check the drained state and every request's ending and tokens (see the module
+    docstring)."""
     tokenizer = loaded.tokenizer
     threads_before = set(threading.enumerate())
     config = make_config(
@@ -177,6 +196,7 @@ def check_interleaving(loaded, specs) -> None:
         buffer=3,
         max_model_len=128,
     )
+    config = dataclasses.replace(config, speculative=speculative)
 
     async def main():
         engine = Engine(config, loaded)

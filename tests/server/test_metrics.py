@@ -69,3 +69,21 @@ def test_preemptions_are_counted_per_sequence_from_zero():
     metrics.on_preempted(None, 2)  # an n = 2 request, preempted together
     metrics.on_preempted(None, 1)
     assert _samples(metrics)[("kvserve:num_preemptions_total", ())] == 3
+
+
+def test_speculation_is_counted_under_vllms_names():
+    metrics = ServerMetrics()
+    assert _samples(metrics)[("kvserve:spec_decode_num_drafts_total", ())] == 0
+    metrics.on_speculated(None, 4, 2)
+    metrics.on_speculated(None, 3, 0)
+    metrics.on_speculated(None, 2, 2)
+    samples = _samples(metrics)
+    assert samples[("kvserve:spec_decode_num_drafts_total", ())] == 3
+    assert samples[("kvserve:spec_decode_num_draft_tokens_total", ())] == 9
+    assert samples[("kvserve:spec_decode_num_accepted_tokens_total", ())] == 4
+    per_pos = {
+        dict(labels)["position"]: value
+        for (name, labels), value in samples.items()
+        if name == "kvserve:spec_decode_num_accepted_tokens_per_pos_total"
+    }
+    assert per_pos == {"0": 2, "1": 2}

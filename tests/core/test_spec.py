@@ -1,0 +1,223 @@
+"""Speculative decoding's policy: the prompt-lookup proposer, the step-aside rule, the
+configuration as vLLM spells it, and how the scheduler plans, caps and rolls back guesses."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.config import SchedulerConfig, SpeculativeConfig, parse_speculative_config
+from kvserve.core import BlockPool, KVManager, Prompt, Scheduler, make_sequences
+from kvserve.core.spec import REST_STEPS, Acceptance, propose_ngram
+
+# -- the proposer --------------------------------------------------------------------------------
+
+
+def test_prompt_lookup_continues_the_latest_earlier_match_of_the_longest_suffix():
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3, 4]
+    # "2 3 4" occurs twice before the end; the latest (followed by 6 7) wins.
+    assert propose_ngram(tokens, 3, 2, 3) == (6, 7, 2)
+    # Only the 4-gram "x 2 3 4" can match with min 4: "9 2 3 4" and "7 2 3 4" do not.
+    assert propose_ngram(tokens, 3, 4, 4) == ()
+    assert propose_ngram([5, 6, 5], 2, 1, 2) == (6, 5)
+    assert propose_ngram([1, 2, 3], 2, 2, 4) == ()
+    assert propose_ngram([1, 1], 0, 1, 1) == ()
+
+
+def test_longer_ngrams_are_preferred():
+    # "3 4" last occurred followed by 8; "2 3 4" followed by 5.
+    tokens = [2, 3, 4, 5, 0, 3, 4, 8, 1, 2, 3, 4]
+    assert propose_ngram(tokens, 1, 2, 3) == (5,)
+    assert propose_ngram(tokens, 1, 2, 2) == (8,)
+
+
+def test_acceptance_shrinks_k_on_failures_grows_it_back_and_rests():
+    record = Acceptance(4)
+    assert record.wants() == 4
+    record.record(4, 0)
+    assert record.k == 2
+    record.record(2, 0)
+    assert record.k == 1
+    record.record(1, 0)
+    assert [record.wants() for _ in range(REST_STEPS)] == [0] * REST_STEPS
+    assert record.wants() == 1
+    record.record(1, 1)
+    record.record(2, 2)
+    assert record.k == 3
+    record.record(3, 1)  # partly accepted: k stays
+    assert record.k == 3
+    assert record.num_drafts == 6 and record.num_draft_tokens == 13 and record.num_accepted == 4
+    assert record.accepted_per_pos == [3, 1, 0, 0]
+
+
+# -- the configuration ---------------------------------------------------------------------------
+
+
+def test_vllm_spellings_parse():
+    spec = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 3, '
+        '"prompt_lookup_max": 6}'
+    )
+    assert spec == SpeculativeConfig("ngram", 5, 3, 6)
+    draft = parse_speculative_config({"model": "qwen2.5-coder:0.5b", "num_speculative_tokens": 4})
+    assert draft.method == "draft_model" and draft.model == "qwen2.5-coder:0.5b"
+    assert parse_speculative_config({"method": "[ngram]", "num_speculative_tokens": 2}).method == (
+        "ngram"
+    )
+    assert parse_speculative_config(None) is None
+    assert parse_speculative_config(
+        {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 6}
+    ) == SpeculativeConfig("ngram", 2, 6, 6)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1]", "JSON object"),
+        ('{"method": "ngram"}', "num_speculative_tokens"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "not supported"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', r"\[1, 16\]"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}', "unknown key"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, '
+            '"prompt_lookup_max": 3}',
+            "larger than",
+        ),
+        ('{"num_speculative_tokens": 2}', "method"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "model"),
+    ],
+)
+def test_bad_configs_are_refused_with_the_reason(value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_speculative_config(value)
+
+
+# -- planning, capping, rolling back -------------------------------------------------------------
+
+
+def _scheduler(num_blocks=32, slots=4, *, k=4, batch=8, admission="partial", reserve=4, **kw):
+    pool = BlockPool(num_blocks, 4)
+    config = SchedulerConfig(max_num_seqs=slots, admission=admission, reserve_tokens=reserve, **kw)
+    spec = SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=batch)
+    return Scheduler(config, KVManager(pool), 64, speculative=spec), pool
+
+
+def _admitted(scheduler, name, prompt, max_tokens=20, speculate=True):
+    seq = make_sequences(name, len(prompt), max_tokens, Prompt(tuple(prompt), speculate=speculate))[
+        0
+    ]
+    assert scheduler.admit([seq])
+    return seq
+
+
+def _step(scheduler, tokens_for):
+    """One planned step; `tokens_for(chunk)` is what each sampling chunk's sequence keeps."""
+    plan = scheduler.schedule()
+    sampled = {}
+    for chunk in plan.chunks:
+        if chunk.samples:
+            sampled[chunk.request_id] = tokens_for(chunk)
+    finished = scheduler.update_from_output(plan, sampled)
+    for seq in finished:
+        scheduler.release(seq.seq_id)
+    return plan
+
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+
+
+def test_a_decoding_sequence_verifies_guesses_and_keeps_the_accepted_prefix():
+    scheduler, pool = _scheduler()
+    seq = _admitted(scheduler, "a", PROMPT)
+    _step(scheduler, lambda chunk: 4)  # the prompt's chunk samples "4"
+    plan = _step(scheduler, lambda chunk: (*chunk.draft_token_ids[:2], 9))
+    (chunk,) = plan.chunks
+    # Prompt lookup on ... 1 2 3 4 finds "1 2 3 4" earlier, followed by 5 6 7 1.
+    assert chunk.draft_token_ids == (5, 6, 7, 1)
+    assert chunk.token_ids == (4, 5, 6, 7, 1) and chunk.num_tokens == 5 and chunk.samples
+    assert seq.output_token_ids == [4, 5, 6, 9]
+    assert seq.num_computed == seq.num_tokens - 1  # 4, 5, 6 computed; 9 is next
+    assert seq.acceptance.num_accepted == 2 and seq.acceptance.k == 4
+    # Only blocks for what was kept remain beyond the reservation: 13 positions computed.
+    assert len(scheduler.kv.table("a")) == max(scheduler.kv.num_reserved("a"), 4)
+    assert pool.check_whole()
+
+
+def test_guesses_never_pass_the_budget_and_the_rollback_frees_emptied_blocks():
+    scheduler, pool = _scheduler(reserve=1)
+    seq = _admitted(scheduler, "a", PROMPT, max_tokens=4)
+    _step(scheduler, lambda chunk: 4)
+    reserved = scheduler.kv.num_reserved("a")
+    plan = _step(scheduler, lambda chunk: (99,))  # every guess rejected
+    # 3 tokens left: at most 2 guesses, so the bonus token still fits the budget.
+    assert plan.chunks[0].draft_token_ids == (5, 6)
+    assert len(scheduler.kv.table("a")) == max(reserved, pool.blocks_for(seq.num_computed))
+    assert seq.acceptance.k == 2  # halved
+    while not seq.is_finished:
+        remaining = seq.num_remaining
+        plan = _step(
+            scheduler,
+            lambda chunk: (*chunk.draft_token_ids, 8) if chunk.is_speculative else 8,
+        )
+        assert len(plan.chunks[0].draft_token_ids) <= remaining - 1
+    assert seq.num_output == 4
+    assert pool.num_free == pool.num_blocks and pool.check_whole()
+
+
+def test_a_stop_token_inside_the_kept_tokens_ends_the_sequence_there():
+    scheduler, pool = _scheduler()
+    seq = make_sequences(
+        "a", len(PROMPT), 20, Prompt(tuple(PROMPT)), stop_token_ids=frozenset({6})
+    )[0]
+    assert scheduler.admit([seq])
+    _step(scheduler, lambda chunk: 4)
+    _step(scheduler, lambda chunk: (*chunk.draft_token_ids, 0))  # all accepted: 5 6 7 1 0
+    assert seq.output_token_ids == [4, 5, 6] and seq.finish_reason == "stop"
+    assert pool.num_free == pool.num_blocks
+
+
+def test_nobody_speculates_in_a_large_batch_or_after_opting_out():
+    scheduler, _ = _scheduler(slots=4, batch=2)
+    for name in "abc":
+        _admitted(scheduler, name, PROMPT)
+    _step(scheduler, lambda chunk: 4)
+    plan = _step(scheduler, lambda chunk: 5 if not chunk.draft_token_ids else (5,))
+    assert plan.num_draft_rows == 0  # three decoding sequences, more than 2
+    scheduler.release("c")
+    plan = _step(scheduler, lambda chunk: (*chunk.draft_token_ids, 0))
+    assert plan.num_draft_rows > 0
+    opted, _ = _scheduler()
+    _admitted(opted, "x", PROMPT, speculate=False)
+    _step(opted, lambda chunk: 4)
+    assert _step(opted, lambda chunk: 5).num_draft_rows == 0
+
+
+def test_guesses_take_only_free_blocks_never_preempting():
+    # 6 blocks of 4: "old" holds 4 after admission and its first token, "young" 2.
+    scheduler, pool = _scheduler(num_blocks=6, slots=2, reserve=1)
+    old = _admitted(scheduler, "old", [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 9, 9])
+    young = _admitted(scheduler, "young", [1, 2, 3, 1, 2])
+    _step(scheduler, lambda chunk: 4 if chunk.request_id == "old" else 3)
+    assert pool.num_free == 0
+    plan = _step(
+        scheduler, lambda chunk: (*chunk.draft_token_ids, 0) if chunk.is_speculative else 0
+    )
+    assert not plan.preempted_ids and young.status.value == "running"
+    assert old.num_output == 2
+    # Old's next row fits its last block, its guesses only what that block has left.
+    for chunk in plan.chunks:
+        end = chunk.start + chunk.num_tokens
+        assert end <= len(chunk.block_ids) * 4
+    assert pool.check_whole()
+
+
+def test_counts_only_updates_treat_a_speculative_chunk_as_one_token():
+    scheduler, pool = _scheduler()
+    seq = _admitted(scheduler, "a", PROMPT)
+    plan = scheduler.schedule()
+    scheduler.update_from_output(plan, {"a": 4})
+    plan = scheduler.schedule()
+    assert plan.chunks[0].is_speculative
+    scheduler.update(plan)
+    assert seq.num_output == 2 and seq.num_computed == seq.num_tokens - 1
+    assert pool.check_whole()
