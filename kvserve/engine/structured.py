@@ -34,7 +34,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch as llguidance_torch
 import torch
 
 from kvserve.params import StructuredOutput
@@ -87,11 +86,12 @@ class GrammarState:
         """The masks of a speculative chunk's rows, `[len(token_ids) + 1, ceil(vocab / 32)]`
         int32: row j's after the first j guesses. The matcher is advanced through the guesses
         and rolled back after, so it is left where it was."""
-        bitmask = llguidance_torch.allocate_token_bitmask(len(token_ids) + 1, vocab_size)
+        bitmask = _allocate_bitmask(len(token_ids) + 1, vocab_size)
         consumed = 0
         try:
             for index in range(len(token_ids) + 1):
-                llguidance_torch.fill_next_token_bitmask(self.matcher, bitmask, index)
+                row = bitmask[index]
+                self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
                 if index == len(token_ids) or not self.matcher.consume_token(token_ids[index]):
                     break
                 consumed += 1
@@ -273,11 +273,21 @@ def _mask_executor() -> llguidance.LLExecutor:
 def fill_bitmasks(grammars: Sequence[GrammarState], vocab_size: int) -> torch.Tensor:
     """The next-token bitmasks of these grammars, `[len(grammars), ceil(vocab / 32)]` int32,
     filled in one call across llguidance's threads (the GIL is released meanwhile)."""
-    bitmask = llguidance_torch.allocate_token_bitmask(len(grammars), vocab_size)
-    llguidance_torch.fill_next_token_bitmask_par(
-        _mask_executor(), [(grammar.matcher, i) for i, grammar in enumerate(grammars)], bitmask
+    bitmask = _allocate_bitmask(len(grammars), vocab_size)
+    _mask_executor().unsafe_compute_mask_ptr(
+        [(grammar.matcher, i) for i, grammar in enumerate(grammars)],
+        bitmask.data_ptr(),
+        bitmask.shape[1] * 4,
+        len(grammars),
     )
     return bitmask
+
+
+def _allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """`[rows, ceil(vocab / 32)]` int32, every token allowed, in the layout llguidance fills
+    (its `llguidance.torch` helpers do the same, but that module decorates a function with
+    torch.compile, and importing it imports torch's compiler: two seconds of every start)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 _filler: ThreadPoolExecutor | None = None
