@@ -405,6 +405,11 @@ class LoadedEncoder:
     load_seconds: float
     quantization: list[str]  # the checkpoint's tensor types
 
+    def kernels_status(self) -> dict:
+        """How the encoder runs, in the shape of `LoadedModel.kernels_status` (GET /ready):
+        torch's own operations, no CPU kernels of kvserve's."""
+        return {"kernels": None, "layers": "torch", "attention": "torch sdpa"}
+
     def summary(self) -> str:
         cfg = self.config
         return (

@@ -138,7 +138,12 @@ def test_ollama_client_embed_and_embeddings(ollama_client, loaded_minilm):
     assert caught.value.status_code == 400 and "num_ctx" in caught.value.error
 
 
-def test_an_embedding_model_refuses_to_generate_and_says_what_it_does(client, ollama_client):
+def test_an_embedding_model_refuses_to_generate_and_says_what_it_does(
+    client, ollama_client, server
+):
+    ready = httpx.get(server.url + "/ready")
+    assert ready.status_code == 200
+    assert ready.json()["status"] == "ready" and ready.json()["kernels"] is None
     with pytest.raises(openai.BadRequestError, match="embedding model"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(ollama.ResponseError) as caught:
