@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from kvserve.bench.run import free_port, machine_line
+from kvserve.bench.run import free_port, machine_line, running
 
 
 @dataclass
@@ -74,25 +73,9 @@ def _first_answer(process: subprocess.Popen, url: str, timeout: float = 600.0) -
 @contextlib.contextmanager
 def started(argv: list[str], url: str, env: dict | None = None) -> Iterator[tuple[int, float]]:
     """Run `argv` until it answers; yields (pid, seconds from start to the first answer)."""
-    with tempfile.TemporaryFile() as log:
-        began = time.monotonic()
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            try:
-                _first_answer(process, url)
-            except RuntimeError as exc:
-                log.seek(0)
-                raise RuntimeError(
-                    f"{exc}: {log.read().decode(errors='replace')[-3000:]}"
-                ) from None
-            yield process.pid, time.monotonic() - began
-        finally:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    began = time.monotonic()
+    with running(argv, lambda process: _first_answer(process, url), env) as process:
+        yield process.pid, time.monotonic() - began
 
 
 def load(url: str, concurrency: int, output_len: int = 128) -> tuple[float, float]:

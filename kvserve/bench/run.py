@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -149,22 +149,37 @@ def http_bench(
 @contextlib.contextmanager
 def serving(*flags: str, command: str = "serve", timeout: float = 300.0) -> Iterator[str]:
     """`kvserve COMMAND FLAGS` on a free loopback port until ready; yields its URL and stops it
-    (SIGINT, as an operator would) after. Its output goes to a temporary file, shown if it fails
-    to start: an unread pipe would stall a server that logs every request."""
+    (SIGINT, as an operator would) after."""
     port = free_port()
     argv = [sys.executable, "-m", "kvserve", command, "--host", "127.0.0.1"]
     argv += ["--port", str(port), *flags]
     url = f"http://127.0.0.1:{port}"
+    with running(argv, lambda server: wait_until_ready(server, url, timeout)):
+        yield url
+
+
+@contextlib.contextmanager
+def running(
+    argv: list[str],
+    wait: Callable[[subprocess.Popen], None],
+    env: dict[str, str] | None = None,
+) -> Iterator[subprocess.Popen]:
+    """Run the server `argv` until `wait(process)` returns (its RuntimeError, with the end of
+    the server's output, if it fails); yields the process and stops it with SIGINT after. The
+    output goes to a temporary file: an unread pipe would stall a server that logs every
+    request."""
     with tempfile.TemporaryFile() as log:
-        server = subprocess.Popen(argv, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            argv, env=dict(env or os.environ), stdout=log, stderr=subprocess.STDOUT
+        )
         try:
             try:
-                wait_until_ready(server, url, timeout)
+                wait(server)
             except RuntimeError as exc:
                 log.seek(0)
-                output = log.read().decode(errors="replace")[-2000:]
+                output = log.read().decode(errors="replace")[-3000:]
                 raise RuntimeError(f"{exc}: {output}") from None
-            yield url
+            yield server
         finally:
             server.send_signal(signal.SIGINT)
             try:

@@ -160,16 +160,7 @@ class BlockPool:
         table = self._tables.pop(owner, None)
         if table is None:
             return 0
-        num_freed = 0
-        # The table's tail goes back first: with FIFO reuse it is overwritten before the
-        # head, and a sequence's head blocks are the ones a prefix cache can share.
-        for block_id in reversed(table):
-            self._refcounts[block_id] -= 1
-            if self._refcounts[block_id] == 0:
-                if self._cache is None or not self._cache.on_free(block_id):
-                    self._free[block_id] = None
-                num_freed += 1
-        return num_freed
+        return self._drop(table)
 
     def truncate(self, owner: str, num_blocks: int) -> int:
         """Drop `owner`'s references to the blocks after its first `num_blocks` (a rollback of
@@ -179,8 +170,15 @@ class BlockPool:
             return 0
         dropped = table[num_blocks:]
         del table[num_blocks:]
+        return self._drop(dropped)
+
+    def _drop(self, blocks: list[int]) -> int:
+        """One reference less on each of `blocks`; those nobody references now go to the
+        prefix cache or the free list. Returns how many that is."""
         num_freed = 0
-        for block_id in reversed(dropped):
+        # The tail goes back first: with FIFO reuse it is overwritten before the head, and a
+        # sequence's head blocks are the ones a prefix cache can share.
+        for block_id in reversed(blocks):
             self._refcounts[block_id] -= 1
             if self._refcounts[block_id] == 0:
                 if self._cache is None or not self._cache.on_free(block_id):

@@ -552,7 +552,7 @@ class Scheduler:
                 sample_ids = (seq.seq_id, *followers)
         token_ids: tuple[int, ...] = ()
         if seq.tokens_known:
-            token_ids = tuple(seq.all_token_ids[seq.num_computed : end]) + drafts
+            token_ids = seq.token_slice(seq.num_computed, end) + drafts
         return ChunkPlan(
             request_id=seq.seq_id,
             slot=seq.slot,

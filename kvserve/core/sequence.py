@@ -124,6 +124,17 @@ class Sequence:
         """Prompt then sampled tokens."""
         return [*self.prompt_token_ids, *self.output_token_ids]
 
+    def token_slice(self, start: int, end: int) -> tuple[int, ...]:
+        """`all_token_ids[start:end]` without copying the whole sequence (a decode row's one
+        token is read every step)."""
+        prompt = self.prompt_token_ids
+        split = len(prompt)
+        if end <= split:
+            return tuple(prompt[start:end])
+        if start >= split:
+            return tuple(self.output_token_ids[start - split : end - split])
+        return (*prompt[start:], *self.output_token_ids[: end - split])
+
     @property
     def awaits_fork(self) -> bool:
         """A follower whose leader has not finished the shared prompt yet."""

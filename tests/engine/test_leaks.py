@@ -131,15 +131,24 @@ async def drive(engine: Engine, tokenizer, index: int, spec: dict) -> dict:
     }
 
 
+def interleavings(count: int):
+    """Run the test over `count` lists of one to six request specs, the same ones every run
+    (derandomized), without hypothesis' deadline and slowness checks (each runs an engine)."""
+
+    def wrap(test):
+        return settings(
+            max_examples=count,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+        )(given(specs=st.lists(request_specs, min_size=1, max_size=6))(test))
+
+    return wrap
+
+
 # Derandomized: CI explores the same 25 interleavings every run, so a failure reproduces
 # (turn derandomize off to explore others).
-@settings(
-    max_examples=25,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-@given(specs=st.lists(request_specs, min_size=1, max_size=6))
+@interleavings(25)
 def test_any_interleaving_drains_to_an_idle_engine(loaded_fp32, specs):
     check_interleaving(loaded_fp32, specs)
 
@@ -147,13 +156,7 @@ def test_any_interleaving_drains_to_an_idle_engine(loaded_fp32, specs):
 # Speculative decoding on: the word prompts repeat, so prompt lookup guesses, some accepted and
 # some rolled back; cancels land between and after verifications, slow consumers fall behind
 # on several tokens a step. The answers are still the ones the prompt gets alone without it.
-@settings(
-    max_examples=10,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-@given(specs=st.lists(request_specs, min_size=1, max_size=6))
+@interleavings(10)
 def test_any_interleaving_with_speculation_drains_to_an_idle_engine(loaded_fp32, specs):
     check_interleaving(
         loaded_fp32, specs, SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
@@ -167,13 +170,7 @@ def test_any_interleaving_with_speculation_drains_to_an_idle_engine(loaded_fp32,
     "configuration",
     [c for c in params(REAL_CONFIGURATIONS) if c.values[0].kv_cache_dtype == "model"],
 )
-@settings(
-    max_examples=3,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-@given(specs=st.lists(request_specs, min_size=1, max_size=6))
+@interleavings(3)
 def test_a_real_model_drains_to_an_idle_engine_in_every_configuration(
     request, configuration, specs
 ):
