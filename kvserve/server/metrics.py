@@ -347,15 +347,14 @@ class ServerMetrics(EngineObserver):
 
     def observe_http(self, endpoint: str, status: int, *, client_gone: bool = True) -> None:
         """Count one answered request; 499 is counted as such (and, unless `client_gone` is
-        False, as a client_gone rejection), never as a server error. 501 (a route this server
-        does not implement, such as pulling a model) is no server error either."""
+        False, as a client_gone rejection), never as a server error."""
         self.http_requests.labels(endpoint, str(status)).inc()
         if status == 499:
             if endpoint in self.embedding_endpoints:
                 self.embedding_rejections.labels("client_gone").inc()
             elif client_gone:
                 self.rejections.labels("client_gone").inc()
-        elif status >= 500 and status != 501:
+        elif status >= 500:
             self.http_server_errors.labels(endpoint).inc()
 
     def observe_ignored_fields(self, names: Iterable[str]) -> None:

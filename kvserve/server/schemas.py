@@ -202,7 +202,7 @@ _ERROR_DESCRIPTIONS = {
     404: "Unknown model",
     413: "Body larger than the limit",
     429: "Overloaded (queue full, or waited too long); see Retry-After",
-    501: "Not implemented by this server (pulling a model: there is no catalogue)",
+    502: "The package index failed the pull (a part missing, a checksum that does not match)",
     503: "The model is still loading, failed to load, or the server is stopping",
 }
 

