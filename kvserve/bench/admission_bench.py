@@ -4,7 +4,8 @@ max_tokens (what most chat front-ends send) on one KV budget.
 Each admission policy runs `kvserve serve MODEL --max-num-seqs C --kv-cache-memory M
 --admission {partial,reserve}` with a queue that lets every request wait as long as it needs,
 and the load generator sends C concurrent streamed chats with no max_tokens (greedy, so both
-policies produce the same answers). While it runs, /metrics is polled for the requests running
+policies produce the same answers): short questions a chat user asks (`chat_questions`), one
+wave of C by default. While it runs, /metrics is polled for the requests running
 and the KV blocks held. The table gives out tok/s, TTFT p99, the peak of requests running, the
 preemptions, and the memory each policy needs to run all C at once: under "reserve" C full
 contexts; under "partial" C prompts with their first `--reserve-tokens` positions to admit
@@ -31,6 +32,84 @@ import httpx
 from kvserve.bench.loadgen import BenchConfig, BenchResult, run_benchmark
 
 ADMISSIONS = ("partial", "reserve")
+
+TOPICS = (
+    "a hash map",
+    "a mutex",
+    "TCP slow start",
+    "a B-tree",
+    "garbage collection",
+    "a closure",
+    "tail recursion",
+    "a bloom filter",
+    "the CAP theorem",
+    "a race condition",
+    "memoization",
+    "a linked list",
+    "big-O notation",
+    "a deadlock",
+    "a unit test",
+    "dependency injection",
+    "a REST API",
+    "a database index",
+    "a git rebase",
+    "a cache miss",
+    "a virtual machine",
+    "a container image",
+    "a load balancer",
+    "a semaphore",
+    "an abstract class",
+    "a compiler",
+    "an interpreter",
+    "a hash collision",
+    "binary search",
+    "quicksort",
+    "a heap",
+    "a trie",
+    "a regular expression",
+    "a coroutine",
+    "an event loop",
+    "a memory leak",
+    "a segmentation fault",
+    "a stack overflow",
+    "a pointer",
+    "immutability",
+    "a pure function",
+    "a monad",
+    "a type system",
+    "an API key",
+    "public-key cryptography",
+    "a checksum",
+    "UTF-8",
+    "a floating-point rounding error",
+    "a thread pool",
+    "a message queue",
+    "eventual consistency",
+    "a transaction",
+    "SQL injection",
+    "a cookie",
+    "a DNS lookup",
+    "a CDN",
+    "an SSH key",
+    "a Makefile",
+    "a linter",
+    "continuous integration",
+    "a feature flag",
+    "a code review",
+    "a breakpoint",
+    "a profiler",
+)
+"""What the chats ask about: one topic each, a question a chat user asks (and the model
+answers in a few sentences and ends, so a run's length is bounded by its answers, not by the
+context)."""
+
+
+def chat_questions(topics: Sequence[str] = TOPICS) -> tuple[str, ...]:
+    """The bench's chats: short questions with short answers, as a chat front-end sends
+    them (no max_tokens)."""
+    return tuple(f"In two or three sentences: what is {topic}?" for topic in topics)
+
+
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 
 
@@ -112,7 +191,7 @@ def run_admission_bench(
     *,
     concurrency: int = 64,
     num_prompts: int | None = None,
-    input_len: int = 64,
+    prompts: Sequence[str] | None = None,
     kv_cache_memory: str = "4GB",
     reserve_tokens: int | None = None,
     max_model_len: int | None = None,
@@ -150,8 +229,8 @@ def run_admission_bench(
             config = BenchConfig(
                 url=url,
                 concurrency=concurrency,
-                num_prompts=num_prompts or 2 * concurrency,
-                input_len=input_len,
+                num_prompts=num_prompts or concurrency,
+                prompts=tuple(prompts or chat_questions()),
                 output_len=None,
                 endpoint="chat",
                 warmup=1,
@@ -339,8 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default=None, help="model path (default: embedded)")
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--num-prompts", type=int, default=None, help="default: 2 x concurrency")
-    parser.add_argument("--input-len", type=int, default=64, help="prompt words")
+    parser.add_argument("--num-prompts", type=int, default=None, help="default: concurrency")
     parser.add_argument("--kv-cache-memory", default="4GB")
     parser.add_argument("--reserve-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -357,7 +435,6 @@ def main(argv: list[str] | None = None) -> int:
         args.model,
         concurrency=args.concurrency,
         num_prompts=args.num_prompts,
-        input_len=args.input_len,
         kv_cache_memory=args.kv_cache_memory,
         reserve_tokens=args.reserve_tokens,
         max_model_len=args.max_model_len,

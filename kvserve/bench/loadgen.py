@@ -93,6 +93,8 @@ class BenchConfig:
     timeout: float = 3600.0  # seconds a reply may stay silent (connecting: at most 60)
     api_key: str | None = None
     response_format: dict[str, Any] | None = None  # sent as is: constrains every answer
+    # The prompts, in order and repeated as needed; None: `input_len` seeded words each.
+    prompts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -119,6 +121,8 @@ class BenchConfig:
             raise ValueError("warmup must be >= 0")
         if self.timeout <= 0:
             raise ValueError("timeout must be positive")
+        if self.prompts is not None and not self.prompts:
+            raise ValueError("prompts, when given, must not be empty")
 
     @property
     def base_url(self) -> str:
@@ -343,7 +347,11 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
     ) as client:
         if config.model is None:
             config = replace(config, model=await _first_model(client, config))
-        prompts = build_prompts(config.warmup + config.num_prompts, config.input_len, config.seed)
+        count = config.warmup + config.num_prompts
+        if config.prompts is None:
+            prompts = build_prompts(count, config.input_len, config.seed)
+        else:
+            prompts = [config.prompts[i % len(config.prompts)] for i in range(count)]
         if config.warmup:
             await _run_requests(
                 client,

@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--admission-concurrency", type=int, default=64)
     parser.add_argument(
-        "--admission-prompts", type=int, default=None, help="chats sent (default: 2 x concurrency)"
+        "--admission-prompts", type=int, default=None, help="chats sent (default: the concurrency)"
     )
     parser.add_argument("--admission-kv-memory", default="4GB", help="--kv-cache-memory of both")
     parser.add_argument(

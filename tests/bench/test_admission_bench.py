@@ -4,7 +4,9 @@ first part reserved, and the table (a smoke run against servers is in the report
 from __future__ import annotations
 
 from kvserve.bench.admission_bench import (
+    TOPICS,
     AdmissionRun,
+    chat_questions,
     format_admission_table,
     format_sweep,
     sweep_reserve_tokens,
@@ -38,3 +40,9 @@ def test_the_table_gives_each_policy_and_the_ratio() -> None:
     assert "partial/reserve out tok/s: 3.00x" in table
     # Reserving whole answers of a request without max_tokens takes full contexts.
     assert "| 16.00 GiB |" in table  # 64 x 8192 / 32 blocks of 1 MiB
+
+
+def test_the_chats_are_distinct_short_questions_one_per_stream() -> None:
+    questions = chat_questions()
+    assert len(set(questions)) == len(questions) == len(TOPICS) == 64
+    assert all(q.startswith("In two or three sentences: what is ") for q in questions)

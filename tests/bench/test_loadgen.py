@@ -534,6 +534,20 @@ def test_warmup_requests_are_sent_but_not_measured(server: ScriptedServer) -> No
     assert measured == set(build_prompts(5, 16, seed=0)[2:])
 
 
+def test_given_prompts_are_sent_in_order_and_repeated(server: ScriptedServer) -> None:
+    url, scenario = server.add(first_delay=0.0, gap=0.0)
+    questions = ("What is a heap?", "What is a trie?")
+    result = bench(url, model="m", num_prompts=4, output_len=2, warmup=1, prompts=questions)
+
+    assert result.num_completed == 4
+    sent = [body["messages"][0]["content"] for body in scenario.bodies]
+    assert sorted(sent) == sorted([*questions, *questions, questions[0]])
+    # The warmup takes the first; the measured ones go on from there.
+    assert sent[0] == questions[0]
+    with pytest.raises(ValueError, match="prompts"):
+        BenchConfig(prompts=())
+
+
 # ---------------------------------------------------------------- reporting and CLI
 
 
