@@ -3,9 +3,11 @@ max_tokens (what most chat front-ends send) on one KV budget.
 
 Each admission policy runs `kvserve serve MODEL --max-num-seqs C --kv-cache-memory M
 --admission {partial,reserve}` with a queue that lets every request wait as long as it needs,
-and the load generator sends C concurrent streamed chats with no max_tokens (greedy, so both
-policies produce the same answers): short questions a chat user asks (`chat_questions`), one
-wave of C by default. While it runs, /metrics is polled for the requests running
+and the load generator sends C concurrent streamed chats with no max_tokens: short questions a
+chat user asks (`chat_questions`), one wave of C by default, sampled at temperature 0.7 with a
+seed per chat (as chat front-ends sample; greedy decoding of a small model can repeat itself to
+the end of the context), so both policies produce the same answers (a preempted request resumes
+its seeded generator where it was). While it runs, /metrics is polled for the requests running
 and the KV blocks held. The table gives out tok/s, TTFT p99, the peak of requests running, the
 preemptions, and the memory each policy needs to run all C at once: under "reserve" C full
 contexts; under "partial" C prompts with their first `--reserve-tokens` positions to admit
@@ -192,6 +194,7 @@ def run_admission_bench(
     concurrency: int = 64,
     num_prompts: int | None = None,
     prompts: Sequence[str] | None = None,
+    temperature: float = 0.7,
     kv_cache_memory: str = "4GB",
     reserve_tokens: int | None = None,
     max_model_len: int | None = None,
@@ -231,6 +234,7 @@ def run_admission_bench(
                 concurrency=concurrency,
                 num_prompts=num_prompts or concurrency,
                 prompts=tuple(prompts or chat_questions()),
+                temperature=temperature,
                 output_len=None,
                 endpoint="chat",
                 warmup=1,
@@ -419,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", nargs="?", default=None, help="model path (default: embedded)")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=None, help="default: concurrency")
+    parser.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
     parser.add_argument("--kv-cache-memory", default="4GB")
     parser.add_argument("--reserve-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -435,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model,
         concurrency=args.concurrency,
         num_prompts=args.num_prompts,
+        temperature=args.temperature,
         kv_cache_memory=args.kv_cache_memory,
         reserve_tokens=args.reserve_tokens,
         max_model_len=args.max_model_len,

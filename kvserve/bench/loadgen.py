@@ -95,6 +95,9 @@ class BenchConfig:
     response_format: dict[str, Any] | None = None  # sent as is: constrains every answer
     # The prompts, in order and repeated as needed; None: `input_len` seeded words each.
     prompts: tuple[str, ...] | None = None
+    # 0: greedy. Above 0 every request also carries a seed of its own (from `seed` and its
+    # index), so a rerun, or another server that honours seeds, samples the same answers.
+    temperature: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -123,6 +126,8 @@ class BenchConfig:
             raise ValueError("timeout must be positive")
         if self.prompts is not None and not self.prompts:
             raise ValueError("prompts, when given, must not be empty")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError("temperature must be within [0, 2]")
 
     @property
     def base_url(self) -> str:
@@ -309,8 +314,8 @@ def cancel_indices(num_prompts: int, cancel_rate: float, seed: int) -> frozenset
     return frozenset(rng.sample(range(num_prompts), round(cancel_rate * num_prompts)))
 
 
-def request_body(config: BenchConfig, model: str, prompt: str) -> dict[str, Any]:
-    """The JSON body for one streamed request."""
+def request_body(config: BenchConfig, model: str, prompt: str, index: int = 0) -> dict[str, Any]:
+    """The JSON body for one streamed request (the `index`-th of its run)."""
     body: dict[str, Any] = {"model": model}
     if config.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
@@ -319,10 +324,12 @@ def request_body(config: BenchConfig, model: str, prompt: str) -> dict[str, Any]
     if config.output_len is not None:
         body["max_tokens"] = config.output_len
     body.update(
-        temperature=0.0,
+        temperature=config.temperature,
         stream=True,
         stream_options={"include_usage": True},
     )
+    if config.temperature > 0:
+        body["seed"] = config.seed * 1_000_003 + index
     if config.ignore_eos:
         # Not in OpenAI's API; vLLM, llama.cpp and kvserve read it as an extra body field.
         body["ignore_eos"] = True
@@ -435,7 +442,7 @@ async def _run_requests(
             return await _send(
                 client,
                 config,
-                request_body(config, config.model, prompts[index]),
+                request_body(config, config.model, prompts[index], index),
                 index=index,
                 scheduled=offsets[index],
                 origin=origin,

@@ -472,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         out += [
             f"### Admission: partial reservation against `--admission reserve` ({name}, "
             f"{concurrency} concurrent streamed chats without max_tokens, `--max-num-seqs "
-            f"{concurrency} --kv-cache-memory {args.admission_kv_memory}`, greedy)\n",
+            f"{concurrency} --kv-cache-memory {args.admission_kv_memory}`, temperature 0.7 with a seed "
+            "per chat)\n",
             format_admission_table(runs, concurrency),
             "",
         ]

@@ -665,3 +665,16 @@ def test_a_run_without_output_len_sends_no_max_tokens() -> None:
     body = request_body(BenchConfig(output_len=None), "m", "hello")
     assert "max_tokens" not in body and body["messages"][0]["content"] == "hello"
     assert request_body(BenchConfig(output_len=7), "m", "hello")["max_tokens"] == 7
+
+
+def test_sampled_runs_give_each_request_its_own_repeatable_seed() -> None:
+    from kvserve.bench.loadgen import BenchConfig, request_body
+
+    greedy = request_body(BenchConfig(), "m", "hello", 3)
+    assert greedy["temperature"] == 0.0 and "seed" not in greedy
+    sampled = BenchConfig(temperature=0.7, seed=2)
+    seeds = [request_body(sampled, "m", "hello", i)["seed"] for i in range(4)]
+    assert len(set(seeds)) == 4
+    assert seeds == [request_body(sampled, "m", "hello", i)["seed"] for i in range(4)]
+    assert request_body(sampled, "m", "hello", 0)["temperature"] == 0.7
+    assert request_body(BenchConfig(temperature=0.7, seed=3), "m", "hello", 0)["seed"] != seeds[0]
