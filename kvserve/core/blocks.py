@@ -28,13 +28,13 @@ from collections.abc import Sequence
 from kvserve.core.prefix import BlockHash, PrefixCache
 
 PLACEHOLDER_BLOCK = 0
-"""The id a table shows at a hole (a block its owner gave back). It is a valid block id, so every
-index a step hands the attention stays in the pool, but the block is not the owner's: another
-sequence may hold it and write into it. Nothing reads it for the owner: a hole lies wholly before
-the first position any of the owner's rows attends to. (The CPU kernels start at the block of that
-position; the torch path gathers it and masks it out, as it does the padding of its tables,
-which is block 0 too: the cache starts zeroed and only ever holds computed K/V, so its values
-are finite and a masked position adds exactly nothing.)"""
+"""The id a table shows at a hole (a block its owner gave back). The block is not the owner's:
+another sequence may hold it and write into it, so no attention backend reads it for the owner.
+A hole lies wholly before the first position any of the owner's rows attends to, and both
+backends start there: the CPU kernels at the block of a row's window start
+(kvserve/model/csrc/paged_attention.c), the torch path's gathers at the block of
+`ModelConfig.first_attended_position` (kvserve/model/attention/sdpa.py). It is a valid id so
+that every index a step hands the attention stays in the pool (the CPU backend checks each)."""
 
 
 class BlockPool:
