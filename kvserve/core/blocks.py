@@ -191,6 +191,10 @@ class BlockPool:
         """The blocks the owner references: its table after the holes."""
         return tuple(self._tables.get(owner, ())[self._holes.get(owner, 0) :])
 
+    def num_held(self, owner: str) -> int:
+        """How many blocks the owner references (its table less the holes)."""
+        return len(self._tables.get(owner, ())) - self._holes.get(owner, 0)
+
     def num_holes(self, owner: str) -> int:
         """Leading entries of the owner's table whose blocks it gave back."""
         return self._holes.get(owner, 0)

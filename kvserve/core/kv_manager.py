@@ -175,7 +175,7 @@ class KVManager:
 
     def num_held(self, seq_id: str) -> int:
         """Blocks the sequence references (its table less the holes)."""
-        return len(self._pool.table(seq_id)) - self._pool.num_holes(seq_id)
+        return self._pool.num_held(seq_id)
 
     def num_reserved(self, seq_id: str) -> int:
         """Table entries the sequence took at admission (its table's first ones, holes

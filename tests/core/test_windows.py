@@ -75,7 +75,7 @@ def test_given_back_blocks_leave_leading_holes_that_take_no_reference() -> None:
     blocks = pool.allocate("a", 5)
     assert pool.give_back("a", 2) == 2
     assert pool.table("a") == (PLACEHOLDER_BLOCK, PLACEHOLDER_BLOCK, *blocks[2:])
-    assert pool.held("a") == blocks[2:] and pool.num_holes("a") == 2
+    assert pool.held("a") == blocks[2:] and pool.num_holes("a") == 2 and pool.num_held("a") == 3
     assert pool.num_free == 5 and pool.check_whole()
     assert pool.give_back("a", 1) == 0  # holes already
     assert pool.truncate("a", 4) == 1 and pool.held("a") == blocks[2:4]
