@@ -35,7 +35,10 @@ chunk positions, at the worst alignment), so every reservation above is capped a
 blocks, counted from the first block its window needs, and the door asks only that one
 request's windows fit the pool: a prompt longer than the pool is served when its window fits.
 The reservation's blocks stay promised to the request as it moves on (the KV manager's spare),
-so it grows back into them without preempting anyone.
+so it grows back into them without preempting anyone, except where a block it gave back was
+shared (an n > 1 prompt, another request's cache hit): then it may grow from the free pool and
+preempt, under "reserve" too; the door gives no credit for shared prompts with a window, so each
+answer resumes on its own.
 
 Priority is the order of arrival at the door (`Sequence.arrival`): it orders the prefill and
 decode groups of a step, decides who grows first, and picks the victims of preemption (the
