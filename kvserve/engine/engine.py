@@ -366,7 +366,8 @@ class Engine:
             config.cache.block_size,
             prefix_caching=config.cache.enable_prefix_caching,
         )
-        self.kv = KVManager(self.pool)
+        # A model whose every layer is windowed gives back the blocks behind its windows.
+        self.kv = KVManager(self.pool, window=self.model_config.kv_window)
         self._wake: asyncio.Event | None = None
         self._signal: CapacitySignal | None = None
         self.scheduler: Scheduler | None = None

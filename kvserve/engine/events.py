@@ -95,7 +95,8 @@ def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
     """The engine's slots, pool and queue as plain integers and ids (no text).
 
     Call on the engine loop's thread. Pool blocks are listed by owner (`tables`), each table's
-    first `reserved[owner]` blocks taken at admission and the rest as it grew; blocks held by
+    first `reserved[owner]` blocks taken at admission and the rest as it grew (null where a
+    sequence gave its block back: it fell behind the model's sliding window); blocks held by
     more than one owner appear in `shared` with their reference count, and blocks kept by the
     prefix cache with no owner in `cached_free` (empty when prefix caching is off). Preempted
     sequences, first in line to resume, are listed in `preempted`.
@@ -149,14 +150,16 @@ def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
         if scheduler is not None
         else []
     )
-    tables: dict[str, list[int]] = {}
+    tables: dict[str, list[int | None]] = {}
     reserved: dict[str, int] = {}
     shared: dict[str, int] = {}
     for owner in pool.owners():
         table = pool.table(owner)
-        tables[owner] = list(table)
+        # null where the owner gave its block back (behind a sliding window)
+        holes = pool.num_holes(owner)
+        tables[owner] = [None] * holes + list(table[holes:])
         reserved[owner] = engine.kv.num_reserved(owner) if engine.kv.holds(owner) else len(table)
-        for block_id in table:
+        for block_id in table[holes:]:
             count = pool.refcount(block_id)
             if count > 1:
                 shared[str(block_id)] = count

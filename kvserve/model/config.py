@@ -148,6 +148,13 @@ class ModelConfig:
         `sliding_window - 1` behind a sequence's next position is then never read again."""
         return self.num_layers > 0 and all(w is not None for w in self.layer_windows)
 
+    @property
+    def kv_window(self) -> int | None:
+        """The window behind which a sequence's KV blocks may go back to the pool: the sliding
+        window where every layer is windowed (`first_attended_position`), else None (a global
+        layer reads every position; Gemma 2/3 keep all their blocks)."""
+        return self.sliding_window if self.all_layers_windowed else None
+
     def first_attended_position(self, position: int) -> int:
         """The first position some layer reads for a row at `position`: position - W + 1 where
         every layer is windowed, else 0. A sequence whose next row is at `position` never reads

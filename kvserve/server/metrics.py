@@ -143,6 +143,13 @@ class ServerMetrics(EngineObserver):
             "Sequences preempted (their blocks given back, resumed later by recompute).",
             registry=r,
         )
+        self.kv_window_blocks_freed = Counter(
+            "kvserve:kv_window_blocks_freed",
+            "KV blocks given back to the pool while their sequences ran, because they fell "
+            "behind the sliding window of a model whose every layer is windowed.",
+            registry=r,
+        )
+        self._window_blocks_seen = 0  # the engine's count at the last step
         self.spec_decode_num_drafts = Counter(
             "kvserve:spec_decode_num_drafts",
             "Speculative verifications (one per sequence per step that guessed).",
@@ -316,6 +323,15 @@ class ServerMetrics(EngineObserver):
 
     def on_preempted(self, state: RequestState, num_sequences: int) -> None:
         self.num_preemptions.inc(num_sequences)
+
+    def on_step(self, plan, seconds: float) -> None:
+        kv = getattr(self._engine, "kv", None)
+        freed = getattr(kv, "num_window_freed", 0)
+        if freed < self._window_blocks_seen:  # another engine since (a model loaded again)
+            self._window_blocks_seen = 0
+        if freed > self._window_blocks_seen:
+            self.kv_window_blocks_freed.inc(freed - self._window_blocks_seen)
+            self._window_blocks_seen = freed
 
     def on_speculated(self, state: RequestState, num_drafted: int, num_accepted: int) -> None:
         self.spec_decode_num_drafts.inc()

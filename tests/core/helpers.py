@@ -21,10 +21,12 @@ def make_scheduler(
     max_model_len: int = 64,
     caching: bool = False,
     policy: type[Scheduler] = Scheduler,
+    window: int | None = None,
     **config: object,
 ) -> Scheduler:
+    """`window`: the sliding window of a model whose every layer is windowed (None: none)."""
     pool = BlockPool(num_blocks, block_size, prefix_caching=caching)
-    return policy(SchedulerConfig(**config), KVManager(pool), max_model_len)
+    return policy(SchedulerConfig(**config), KVManager(pool, window=window), max_model_len)
 
 
 def sequences(

@@ -110,6 +110,14 @@ def check_plan(scheduler: Scheduler, plan: StepPlan, oldest: str | None) -> None
     # Blocks held never exceed the pool, and every reference is accounted for.
     assert pool.check_whole() and scheduler.kv.check_whole()
     assert pool.num_used <= pool.num_blocks
+    kv = scheduler.kv
+    if kv.window is not None:
+        # Behind each chunk's window only holes; never more than the window's blocks held.
+        for chunk in plan.chunks:
+            assert pool.num_holes(chunk.request_id) <= kv.first_needed_block(chunk.start)
+            if not chunk.is_speculative:
+                assert kv.num_held(chunk.request_id) <= scheduler.window_blocks
+        return
     if config.admission == "reserve" and type(scheduler) is Scheduler:
         reserved = sum(
             pool.blocks_for(seq.num_prompt_tokens + seq.max_tokens) for seq in scheduler.running
@@ -131,9 +139,10 @@ def run_workload(
     max_overtakes: int = 4,
     caching: bool = False,
     policy: type[Scheduler] = Scheduler,
+    window: int | None = None,
 ) -> Run:
     pool = BlockPool(num_blocks, block_size, prefix_caching=caching)
-    scheduler = policy(config, KVManager(pool), max_model_len)
+    scheduler = policy(config, KVManager(pool, window=window), max_model_len)
     queue = AdmissionQueue(max_waiters=len(jobs), timeout=timeout, max_overtakes=max_overtakes)
     run = Run(scheduler, queue)
     by_id = {job.request_id: job for job in jobs}
@@ -425,6 +434,119 @@ def test_partial_reservation_with_preemption_finishes_every_admitted_request(
     assert pool.owners() == () and pool.num_cached_free == pool.cache.num_cached_free
     assert run.scheduler.num_free_slots == config.max_num_seqs
     assert all(count <= max_overtakes for count in run.overtakes.values())
+
+
+# -- sliding windows -----------------------------------------------------------------------------
+
+
+def expected_windowed_refusal(
+    job: Job, config: SchedulerConfig, window: int, **sizes
+) -> str | None:
+    """The door of a model whose every layer is windowed: the context, and the most blocks one
+    sequence holds at once (the window, plus one step's rows, at the worst alignment)."""
+    num_blocks, block_size, max_model_len = (
+        sizes["num_blocks"], sizes["block_size"], sizes["max_model_len"]
+    )  # fmt: skip
+    rows = min(config.prefill_chunk, config.max_num_batched_tokens)
+    window_blocks = -(-(window + rows - 2) // block_size) + 1
+
+    def needed(positions: int) -> int:
+        return min(-(-positions // block_size), window_blocks)
+
+    if job.num_prompt_tokens >= max_model_len or needed(job.num_prompt_tokens + 1) > num_blocks:
+        return "refused:prompt"
+    if job.max_tokens is None:
+        return None  # the rest of the context, capped by the pool unless the window fits it
+    total = job.num_prompt_tokens + job.max_tokens
+    if total > max_model_len or needed(total) > num_blocks:
+        return "refused:max_tokens"
+    return None
+
+
+@settings(max_examples=150, deadline=None)
+@given(workloads(with_departures=False), st.integers(min_value=1, max_value=24))
+def test_windowed_requests_finish_within_their_windows(workload: tuple, window: int) -> None:
+    """A model whose every layer attends to the last `window` positions: requests longer than
+    the pool are served when their windows fit, each sequence holds at most its window's blocks
+    (check_plan), everything finishes and the pool is whole; under "reserve" nothing is ever
+    preempted (no request here shares a block with another)."""
+    config, num_blocks, block_size, max_model_len, jobs, max_overtakes = workload
+    sizes = dict(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
+    run = run_workload(
+        jobs,
+        config,
+        max_steps=max_steps_for(jobs, 22),
+        max_overtakes=max_overtakes,
+        window=window,
+        **sizes,
+    )
+    assert run.num_stuck_steps == 0
+    for job in jobs:
+        refusal = expected_windowed_refusal(job, config, window, **sizes)
+        assert run.outcomes.get(job.request_id) == (refusal or "finished")
+    if config.admission == "reserve":
+        assert run.scheduler.num_preemptions == 0
+    kv = run.scheduler.kv
+    assert run.scheduler.num_running == 0 and len(run.queue) == 0
+    assert kv.pool.num_free == num_blocks and kv.num_spare == 0 and kv.check_whole()
+
+
+@settings(max_examples=150, deadline=None)
+@given(tight_workloads(), st.integers(min_value=1, max_value=24), st.booleans())
+def test_windowed_workloads_with_sharing_and_preemption_leave_the_pool_whole(
+    workload: tuple, window: int, reserve: bool
+) -> None:
+    """Windows with everything that shares blocks (prefix hits taken behind holes, n > 1 forks
+    of a prompt the leader's window has passed, preemption and resumption), cancels, both
+    admissions: admitted requests finish or are cancelled, nothing leaks, the oldest is never
+    preempted."""
+    config, num_blocks, block_size, max_model_len, jobs, max_overtakes = workload
+    if reserve:
+        config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            prefill_chunk=config.prefill_chunk,
+            admission="reserve",
+        )
+    run = run_workload(
+        jobs,
+        config,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_steps=max_steps_for(jobs, 62),
+        max_overtakes=max_overtakes,
+        caching=True,
+        window=window,
+    )
+    assert run.num_stuck_steps == 0
+    for job in jobs:
+        outcome = run.outcomes.get(job.request_id)
+        assert outcome is not None and outcome.split(":")[0] in ("finished", "cancelled", "refused")
+        if job.cancel_step is None and not outcome.startswith("refused"):
+            assert outcome == "finished"
+    kv = run.scheduler.kv
+    assert run.scheduler.num_running == 0 and run.scheduler.num_preempted == 0
+    assert kv.pool.num_free == num_blocks and kv.num_spare == 0 and kv.check_whole()
+    assert kv.pool.owners() == ()
+
+
+def test_the_windowed_property_tests_see_blocks_given_back_and_preemptions() -> None:
+    jobs = [
+        Job(f"r{i}", 12, None, 40, arrival_step=i, n=1 + i % 2, prefix=1 + i % 2) for i in range(6)
+    ]
+    run = run_workload(
+        jobs,
+        SchedulerConfig(max_num_seqs=6, prefill_chunk=4, admission="partial", reserve_tokens=2),
+        num_blocks=16,
+        block_size=4,
+        max_model_len=64,
+        max_steps=max_steps_for(jobs, 10),
+        caching=True,
+        window=6,
+    )
+    assert run.outcomes == {job.request_id: "finished" for job in jobs}
+    assert run.scheduler.num_preemptions >= 2 and run.scheduler.kv.num_window_freed > 20
 
 
 def test_the_property_test_sees_preemptions() -> None:

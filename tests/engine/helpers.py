@@ -26,9 +26,12 @@ def make_config(
     admission: str = "partial",
     reserve_tokens: int = 256,
     kv_cache_dtype: str = "auto",
+    block_size: int = 32,
 ) -> EngineConfig:
     return EngineConfig(
-        cache=CacheConfig(block_size=32, num_kv_blocks=blocks, kv_cache_dtype=kv_cache_dtype),
+        cache=CacheConfig(
+            block_size=block_size, num_kv_blocks=blocks, kv_cache_dtype=kv_cache_dtype
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=slots,
             max_model_len=max_model_len,

@@ -52,16 +52,19 @@ request_specs = st.fixed_dictionaries(
 GRAMMAR = StructuredOutput.regex(r"(river|stone|light|paper)( (river|stone|light|paper)){0,12}")
 
 
-_REFERENCE: dict[tuple[int, tuple[int, ...], bool], list[int]] = {}
+_REFERENCE: dict[tuple[int, tuple[int, ...], bool, int], list[int]] = {}
 
 
-def reference_tokens(loaded, prompt_ids: tuple[int, ...], constrained: bool) -> list[int]:
+def reference_tokens(
+    loaded, prompt_ids: tuple[int, ...], constrained: bool, block_size: int = 32
+) -> list[int]:
     """Greedy tokens for the prompt run alone on a fresh engine (cached across examples)."""
-    key = (id(loaded), prompt_ids, constrained)
+    key = (id(loaded), prompt_ids, constrained, block_size)
     if key not in _REFERENCE:
 
         async def alone():
-            engine = Engine(make_config(slots=1, blocks=8, max_model_len=128), loaded)
+            config = make_config(slots=1, blocks=8, max_model_len=128, block_size=block_size)
+            engine = Engine(config, loaded)
             await engine.start()
             try:
                 stream = engine.submit(
@@ -163,6 +166,17 @@ def test_any_interleaving_with_speculation_drains_to_an_idle_engine(loaded_fp32,
     )
 
 
+# A tiny model whose every layer attends to the last 16 positions (tests/conftest.py), in blocks
+# of 16: sequences give back the blocks behind their windows as they run, beside cancels, forks,
+# the prefix cache and speculation (on in the examples with an even number of requests).
+@interleavings(25)
+def test_any_interleaving_on_a_windowed_model_drains_to_an_idle_engine(windowed_mistral, specs):
+    speculative = None
+    if len(specs) % 2 == 0:
+        speculative = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    check_interleaving(windowed_mistral[1], specs, speculative, block_size=16)
+
+
 # The real qwen2.5-coder:0.5b in each way it runs (its blocks, int8 layers, float32): fewer
 # interleavings, each a hundred times the default model's work.
 @pytest.mark.slow
@@ -177,15 +191,16 @@ def test_a_real_model_drains_to_an_idle_engine_in_every_configuration(
     check_interleaving(request.getfixturevalue(configuration.model_fixture), specs)
 
 
-def check_interleaving(loaded, specs, speculative=None) -> None:
-    """Run `specs` together on a small engine over `loaded` (speculating with `speculative`)
-    and check the drained state and every request's ending and tokens (see the module
-    docstring)."""
+def check_interleaving(loaded, specs, speculative=None, *, block_size: int = 32) -> None:
+    """Run `specs` together on a small engine over `loaded` (speculating with `speculative`,
+    in 8 KV blocks of `block_size`) and check the drained state and every request's ending and
+    tokens (see the module docstring)."""
     tokenizer = loaded.tokenizer
     threads_before = set(threading.enumerate())
     config = make_config(
         slots=2,
         blocks=8,
+        block_size=block_size,
         chunk=8,
         rows=24,
         queue_per_slot=1,
@@ -226,7 +241,7 @@ def check_interleaving(loaded, specs, speculative=None) -> None:
             assert isinstance(final.error, RequestCancelled)
         # Its own tokens, never another request's: what each answer got is what the prompt
         # gets alone (greedy, so all n answers are that one).
-        expected = reference_tokens(loaded, result["prompt"], result["constrained"])
+        expected = reference_tokens(loaded, result["prompt"], result["constrained"], block_size)
         for index in range(spec["n"]):
             answer = [t for d in deltas if d.index == index for t in d.token_ids]
             assert len(answer) <= spec["max_tokens"]

@@ -419,6 +419,36 @@ def test_chunked_prefill_and_decode_rows_on_both_backends_match_transformers(fam
         assert (ours[-1] - theirs_other[-1]).abs().max().item() <= 1e-3, name
 
 
+def test_blocks_behind_the_window_are_never_read(family):
+    """Where every layer is windowed, a sequence gives back the blocks behind its window and its
+    table shows a placeholder there that may belong to anyone: both backends must read none of
+    them. Here every such entry points at a block full of NaN; prefill chunks (from position 0,
+    then from 20) and then single decode rows still give transformers' logits at every
+    position. (Gemma's global layers read every position: it gives nothing back.)"""
+    model = family.hf.model
+    config = model.config
+    if config.kv_window is None:
+        assert not config.all_layers_windowed  # nothing is given back, nothing to check
+        return
+    ids = family.prompts[-1]
+    theirs = reference_logits(family, ids)
+    block_size, poison = 16, 15
+    table = [4, 9, 1, 7, 2]
+    steps = [(0, 20), (20, 20)] + [(p, 1) for p in range(40, len(ids))]
+    for backend in (model, model.torch_attention()):
+        cache = KVCache(config, 16, block_size, model.dtype, CPU)
+        cache.kv[:, :, :, poison] = float("nan")
+        for start, n in steps:
+            skip = config.first_attended_position(start) // block_size
+            holed = [poison] * skip + table[skip:]
+            meta = backend.attention.build_metadata([Chunk(start, n, holed, True)], block_size)
+            meta.logits_indices = torch.arange(n)
+            ours = backend.forward(torch.tensor(ids[start : start + n]), meta, cache)
+            name = backend.attention.name
+            assert (ours - theirs[start : start + n]).abs().max().item() <= 1e-3, (name, start)
+        assert skip >= 1  # the window left whole blocks behind
+
+
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_greedy_continuations_match_transformers(family, source):
     """From a prompt longer than the window, 16 greedy tokens (decode rows whose window leaves

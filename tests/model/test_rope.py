@@ -186,8 +186,10 @@ def test_a_mistral_window_is_a_window_not_the_context_length():
     # what a scheduler may drop: positions before the window of the next row
     assert config.first_attended_position(40) == 25
     assert config.first_attended_position(10) == 0
+    assert config.kv_window == 16  # the KV manager gives back the blocks behind it
     full = config_from_json(_hf("MistralConfig", {"sliding_window": None}, 512).to_dict())
     assert not full.windowed and full.first_attended_position(400) == 0
+    assert full.kv_window is None
 
 
 def test_interleaved_windows_keep_every_position():
@@ -199,7 +201,7 @@ def test_interleaved_windows_keep_every_position():
     assert config.sliding_layers == every_other(12, 6)
     assert config.layer_windows.count(None) == 2
     assert config.windowed and not config.all_layers_windowed
-    assert config.first_attended_position(200) == 0
+    assert config.first_attended_position(200) == 0 and config.kv_window is None
     assert [config.layer_uses_local_rope(i) for i in range(6)] == [True] * 5 + [False]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.server.metrics import REJECTION_REASONS, ServerMetrics
@@ -69,6 +71,21 @@ def test_preemptions_are_counted_per_sequence_from_zero():
     metrics.on_preempted(None, 2)  # an n = 2 request, preempted together
     metrics.on_preempted(None, 1)
     assert _samples(metrics)[("kvserve:num_preemptions_total", ())] == 3
+
+
+def test_blocks_given_back_behind_windows_are_counted_after_each_step():
+    metrics = ServerMetrics()
+    key = ("kvserve:kv_window_blocks_freed_total", ())
+    assert _samples(metrics)[key] == 0
+    engine = SimpleNamespace(scheduler=None, kv=SimpleNamespace(num_window_freed=0))
+    metrics.bind(engine)
+    for freed in (5, 5, 7):
+        engine.kv.num_window_freed = freed
+        metrics.on_step(None, 0.01)
+    assert _samples(metrics)[key] == 7
+    metrics.bind(SimpleNamespace(scheduler=None, kv=SimpleNamespace(num_window_freed=2)))
+    metrics.on_step(None, 0.01)
+    assert _samples(metrics)[key] == 9
 
 
 def test_speculation_is_counted_under_vllms_names():

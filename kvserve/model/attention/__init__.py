@@ -7,7 +7,10 @@ position`, read back through the sequence's block table. Sequences never see eac
 
 A layer may attend to a sliding window only (the row's last `config.layer_window(layer)`
 positions), soft-cap its scores (`config.attn_logit_softcapping`) and rotate with its own RoPE
-(`LayerRopes`: Gemma 3's windowed layers); every backend implements the same semantics.
+(`LayerRopes`: Gemma 3's windowed layers); every backend implements the same semantics. Where
+every layer is windowed, a sequence gives back the blocks behind its window and its table shows
+a placeholder there (kvserve/core/blocks.py: `PLACEHOLDER_BLOCK`, a block someone else may hold):
+every backend starts reading at the block of the window's first position, never before.
 
 Each backend builds the metadata it reads (`build_metadata`, once per step, shared by every
 layer) and does one layer's RoPE, cache write and attention (`forward`):

@@ -9,7 +9,10 @@ written into the cache at its slot, then two kinds of calls attend:
   fresh K/V without touching the cache; a later chunk gathers its earlier positions from the cache
   and uses an offset causal mask.
 A layer with a sliding window W masks, for a row at position p, every position before
-p - W + 1; the masks are built once per step for each window the model's layers use. Soft-capped
+p - W + 1; the masks are built once per step for each window the model's layers use. Where every
+layer is windowed, the blocks before the block of p - W + 1 (`config.first_attended_position`)
+are not gathered at all: a sequence gives those back to the pool (kvserve/core/kv_manager.py), and
+its table shows a placeholder there that belongs to someone else. Soft-capped
 scores (C tanh(s / C), Gemma 2) have no SDPA form: those layers attend by explicit products in
 float32 (scores, cap, mask, softmax, values).
 """
@@ -36,10 +39,13 @@ class PrefillSegment:
     row_start: int
     num_rows: int
     start: int  # position of the first row
-    block_table: torch.Tensor | None  # [num_blocks] long; None when start == 0 (no cache read)
+    # [num_blocks] long: the table from the first block any row attends to (`offset`); None
+    # when start == 0 (no cache read)
+    block_table: torch.Tensor | None
     # by window (None: the whole context): [num_rows, start + num_rows] bool, or None for a
     # plain causal call (start 0 and no window)
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    offset: int = 0  # the position `block_table` starts at (its masks' first column)
 
 
 @dataclass(slots=True)
@@ -52,8 +58,9 @@ class TorchAttentionMetadata:
     logits_indices: torch.Tensor  # [sampling chunks] long: the last row of each sampling chunk
     segments: list[PrefillSegment]
     decode_rows: slice | torch.Tensor | None  # rows of single-row chunks (a slice when contiguous)
-    decode_block_tables: torch.Tensor | None  # [decode rows, max blocks] long
-    decode_lengths: torch.Tensor | None  # [decode rows] long: positions each row attends to
+    # [decode rows, max blocks] long: each row's table from the first block it attends to
+    decode_block_tables: torch.Tensor | None
+    decode_lengths: torch.Tensor | None  # [decode rows] long: its positions in that table
     # by window: [decode rows, 1, max blocks * block_size] bool, True where the row attends
     decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
@@ -118,23 +125,29 @@ class TorchPagedAttention:
         decode_tables: list[Sequence[int]] = []
         decode_lengths: list[int] = []
         row = 0
+        first_attended = self.config.first_attended_position
         for chunk, used in zip(chunks, tables, strict=True):
             n, start = chunk.num_tokens, chunk.start
             end = start + n
             row += n
+            # Blocks wholly before the window of the chunk's first row are never read.
+            skip = first_attended(start) // block_size
+            offset = skip * block_size
             if n == 1:
                 decode_row_ids.append(row - 1)
-                decode_tables.append(used)
-                decode_lengths.append(end)
+                decode_tables.append(used[skip:])
+                decode_lengths.append(end - offset)
                 continue
             masks = {}
             for window in windows:
                 mask = _prefill_mask(n, start, window)
-                masks[window] = None if mask is None else mask.to(device, non_blocking=True)
+                if mask is not None:
+                    mask = mask[:, offset:].contiguous().to(device, non_blocking=True)
+                masks[window] = mask
             table = None
             if start > 0:
-                table = torch.tensor(used, dtype=torch.long).to(device, non_blocking=True)
-            segments.append(PrefillSegment(row - n, n, start, table, masks))
+                table = torch.tensor(used[skip:], dtype=torch.long).to(device, non_blocking=True)
+            segments.append(PrefillSegment(row - n, n, start, table, masks, offset))
         decode_rows: slice | torch.Tensor | None = None
         decode_block_tables = decode_lengths_t = None
         decode_masks: dict[int | None, torch.Tensor] = {}
@@ -271,8 +284,8 @@ def paged_attention(
             ks = k[rows_of].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, head_dim]
             vs = v[rows_of].transpose(0, 1).unsqueeze(0)
         else:
-            length = seg.start + seg.num_rows
-            # gathered: [2, kv_heads, length, head_dim]
+            length = seg.start + seg.num_rows - seg.offset
+            # gathered: [2, kv_heads, length, head_dim], from position seg.offset
             gathered = kv_layer[:, :, seg.block_table].flatten(2, 3)[:, :, :length]
             ks, vs = gathered[0].unsqueeze(0), gathered[1].unsqueeze(0)
         out[rows_of] = attend(qs, ks, vs, seg.masks[window], scale, softcap, group)[0].transpose(
