@@ -183,15 +183,19 @@ class Gatekeeper:
         return replay, None
 
     def _finish(self, exchange: Exchange) -> None:
+        self.state.finished(exchange)
         status = exchange.status if exchange.status is not None else 499
         exchange.status = status
         endpoint = exchange.path if exchange.path in self.endpoints else "other"
         # A client dropped for reading too slowly is counted once, as slow_consumer.
         self.state.metrics.observe_http(
-            endpoint, status, client_gone=exchange.finish_reason != "slow_consumer"
+            endpoint,
+            status,
+            client_gone=exchange.finish_reason != "slow_consumer",
+            shutting_down=exchange.shutting_down and status == 503,
         )
         duration = time.monotonic() - exchange.started
-        level = logging.WARNING if status >= 500 else logging.INFO
+        level = logging.WARNING if status >= 500 and not exchange.shutting_down else logging.INFO
         access_log.log(level, "%s", exchange.log_line(duration))
 
     async def _send_error(self, send: Any, path: str, error: APIError) -> None:
