@@ -68,10 +68,11 @@ FieldPolicy = Callable[[Mapping[str, Any]], tuple[list[str], APIError | None]]
 class Exchange:
     """What one HTTP request did: the facts of its access-log line and HTTP counters."""
 
-    request_id: str
+    request_id: str  # unique in this process: the engine's id, and the bodies' ids
     method: str
     path: str
     started: float
+    client_id: str | None = None  # the client's X-Request-Id, when it sent an acceptable one
     status: int | None = None  # as sent, or 499 once the client is known to be gone
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -81,18 +82,28 @@ class Exchange:
     tracked: bool = False  # counted among the requests a drain waits for
     shutting_down: bool = False  # refused with 503 because the server drains
 
+    @property
+    def log_id(self) -> str:
+        """The id the client knows the request by: its X-Request-Id, else the generated one;
+        the access log's and the response header's."""
+        return self.client_id or self.request_id
+
     def saw_tokens(self, delta: Delta) -> None:
         if delta.token_ids and self.first_token_at is None:
             self.first_token_at = time.monotonic()
 
     def log_line(self, duration: float) -> str:
         ttft = "-" if self.first_token_at is None else f"{self.first_token_at - self.started:.3f}s"
-        return (
-            f"{self.request_id} {self.method} {self.path} {self.status} "
+        line = (
+            f"{self.log_id} {self.method} {self.path} {self.status} "
             f"prompt_tokens={_or_dash(self.prompt_tokens)} "
             f"completion_tokens={_or_dash(self.completion_tokens)} ttft={ttft} "
             f"duration={duration:.3f}s finish={_or_dash(self.finish_reason)}"
         )
+        if self.client_id is not None:
+            # The id the engine (its log, the dashboard) and the response bodies use.
+            line += f" internal_id={self.request_id}"
+        return line
 
 
 def _or_dash(value: object) -> str:
@@ -425,7 +436,7 @@ class ServerState:
                     yield text.encode()
         except Exception:
             # The 200 is out: the only way left to tell the client is an error event.
-            log.exception("%s: streaming failed", exchange.request_id)
+            log.exception("%s: streaming failed", exchange.log_id)
             yield rendering.error_tail(APIError(500, "internal error while streaming")).encode()
         finally:
             if exchange.finish_reason is None:
