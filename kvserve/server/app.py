@@ -28,6 +28,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 
 from kvserve import __version__
@@ -138,6 +139,16 @@ def create_app(
         return error_response(request, APIError(exc.status_code, str(exc.detail)))
 
     app.add_middleware(Gatekeeper, state=state, endpoints=ENDPOINTS)
+    if server_config.allowed_origins:
+        # Outside the Gatekeeper: a preflight is answered here (no key needed, not logged nor
+        # counted), and the Gatekeeper's own answers (401, 413, 503) carry the CORS headers.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(server_config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS", "HEAD"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id", "Retry-After", "X-KVServe-Ignored-Fields"],
+        )
 
     errors = schemas.error_responses
 
