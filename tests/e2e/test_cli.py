@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
 import socket
@@ -19,52 +18,17 @@ import pytest
 
 from kvserve.model.kernels import load_kernels
 from kvserve.model.loader import cpu_has_bf16
+from tests.e2e.harness import OutputLines, free_port
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "cli-test-key"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _Lines:
-    """The process's stdout, line by line, read in a thread so waits can time out."""
-
-    def __init__(self, stream) -> None:
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
-
-    def _pump(self, stream) -> None:
-        for line in stream:
-            self._queue.put(line)
-        self._queue.put(None)
-
-    def wait_for(self, text: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{text!r} not printed; got {self.lines}")
-            try:
-                line = self._queue.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise RuntimeError(f"the process exited before printing {text!r}: {self.lines}")
-            self.lines.append(line)
-            if text in line:
-                return line
-
-
 def test_the_port_accepts_connections_before_the_heavy_imports(tmp_path):
     """`kvserve serve` listens before it imports torch and the engine: a client that connects
     meanwhile waits in the backlog and is answered, never refused."""
-    port = _free_port()
+    port = free_port()
     go = tmp_path / "go"
     held = tmp_path / "held"
     code = f"""
@@ -116,7 +80,7 @@ sys.exit(main(["serve", "--host", "127.0.0.1", "--port", "{port}",
 def test_a_stop_while_the_model_loads_exits_cleanly(tmp_path):
     """SIGINT while the model is still loading (held inside the load, in its thread): the
     process stops at once with status 0, without waiting for the load or aborting."""
-    port = _free_port()
+    port = free_port()
     held = tmp_path / "held"
     code = f"""
 import importlib.abc, pathlib, sys, threading, time
@@ -166,7 +130,7 @@ sys.exit(main(["serve", "--host", "127.0.0.1", "--port", "{port}",
     ids=["SIGINT-no-flags", "SIGTERM-quantization-none"],
 )
 def test_serve_subprocess(stop_signal, int8):
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -190,7 +154,7 @@ def test_serve_subprocess(stop_signal, int8):
     stderr_lines: list[str] = []
     threading.Thread(target=lambda: stderr_lines.extend(process.stderr), daemon=True).start()
     try:
-        stdout = _Lines(process.stdout)
+        stdout = OutputLines(process.stdout)
         url_line = stdout.wait_for("listening on", timeout=240)
         url = f"http://127.0.0.1:{port}"
         assert url in url_line
@@ -264,7 +228,7 @@ def test_serve_starts_warns_once_and_answers_with_an_unwritable_kernel_cache(tmp
     warning says so, and the server answers; /ready names what was built and for which CPU."""
     blocker = tmp_path / "read-only"
     blocker.write_text("a file, not a directory")
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -282,7 +246,7 @@ def test_serve_starts_warns_once_and_answers_with_an_unwritable_kernel_cache(tmp
     stderr_lines: list[str] = []
     threading.Thread(target=lambda: stderr_lines.extend(process.stderr), daemon=True).start()
     try:
-        _Lines(process.stdout).wait_for("listening on", timeout=300)
+        OutputLines(process.stdout).wait_for("listening on", timeout=300)
         url = f"http://127.0.0.1:{port}"
         ready = httpx.get(url + "/ready").json()
         assert ready["status"] == "ready" and ready["kernels"]["families"]
@@ -306,7 +270,7 @@ def test_serve_starts_warns_once_and_answers_with_an_unwritable_kernel_cache(tmp
 
 
 def test_serve_an_embedding_model_directory(minilm_dir):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVSERVE_DEVICE": "cpu"}
     process = subprocess.Popen(
         [sys.executable, "-m", "kvserve", "serve", str(minilm_dir), "--port", str(port)],
@@ -316,7 +280,7 @@ def test_serve_an_embedding_model_directory(minilm_dir):
         env=env,
     )
     try:
-        stdout = _Lines(process.stdout)
+        stdout = OutputLines(process.stdout)
         stdout.wait_for("listening on", timeout=240)
         banner = "".join(stdout.lines)
         assert "for embeddings (it generates no text)" in banner
