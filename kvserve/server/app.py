@@ -290,12 +290,12 @@ class Server(uvicorn.Server):
         if left == 0:
             log.info("drained in %.1f s", loop.time() - started)
         elif self._hurry:
-            log.info("stopping at once on a second signal: %d requests end with an error", left)
+            log.info("second signal: stopping now; %d still running end with an error", left)
         else:
             log.warning(
-                "shutdown timeout: %d requests still running after %g s end with an error",
-                left,
+                "shutdown timeout (%g s): stopping now; %d still running end with an error",
                 timeout,
+                left,
             )
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
