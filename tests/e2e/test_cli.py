@@ -139,6 +139,8 @@ def test_serve_subprocess(stop_signal, int8):
         "KVSERVE_NUM_KV_BLOCKS": "64",
         "KVSERVE_MAX_NUM_SEQS": "2",
         "KVSERVE_DEVICE": "cpu",
+        # No drain: the stream in flight at the signal is ended by the engine's stop.
+        "KVSERVE_SHUTDOWN_TIMEOUT": "0",
     }
     for name in ("KVSERVE_QUANTIZATION", "KVSERVE_KV_CACHE_DTYPE"):
         env.pop(name, None)
@@ -163,6 +165,7 @@ def test_serve_subprocess(stop_signal, int8):
         assert "holds 2.0 full contexts of 1024 positions, or 8 typical answers of 256" in banner
         assert "admission: partial (the prompt and the first 256 answer positions" in banner
         assert "SmolLM2" in banner
+        assert "shutdown: running requests get 0 s to finish; no CORS" in banner
         # The start's split and the memory plan, the pool's share read off its own line.
         assert re.search(
             r"started in [0-9.]+ s: kernels [0-9.]+ s, read [0-9.]+ s, weights [0-9.]+ s \(", banner
@@ -197,7 +200,8 @@ def test_serve_subprocess(stop_signal, int8):
         else:
             assert f"precision: linear layers {dtype} (asked for); KV cache {dtype}" in banner
 
-        # A stream in flight when the signal arrives ends with an error event and [DONE].
+        # A stream in flight when the signal arrives, with no time to finish, ends with an
+        # error event and [DONE].
         long = {**payload, "max_tokens": 500, "ignore_eos": True, "stream": True}
         with httpx.stream(
             "POST", url + "/v1/chat/completions", json=long, headers=headers, timeout=60
