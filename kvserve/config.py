@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -320,3 +321,35 @@ class ServerConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     log_level: str = "info"
     tool_call_parser: str | None = None  # None = chosen by chat-template family
+    # Seconds a SIGTERM/SIGINT lets running requests finish before the engine is stopped.
+    shutdown_timeout: float = 30.0
+    # Origins browsers may call the API from (CORS); empty = no CORS headers at all.
+    allowed_origins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.shutdown_timeout >= 0:  # NaN too
+            raise ValueError(
+                f"--shutdown-timeout must be 0 or more seconds, got {self.shutdown_timeout}"
+            )
+        for origin in self.allowed_origins:
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(
+                    f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], "
+                    "no path or trailing slash), nor '*'"
+                )
+        if "*" in self.allowed_origins and self.api_key:
+            raise ValueError(
+                "--allowed-origins '*' cannot be combined with --api-key: name the origins "
+                "whose pages may send the key"
+            )
+
+
+# What a browser sends in `Origin`: a scheme and a host, maybe a port, nothing after it.
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^\s/?#]+")
+
+
+def parse_origins(value: str | None) -> tuple[str, ...]:
+    """`--allowed-origins A,B` as a tuple (spaces and empty items dropped)."""
+    if not value:
+        return ()
+    return tuple(item.strip() for item in value.split(",") if item.strip())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import socket
 import threading
@@ -27,6 +28,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 
 from kvserve import __version__
@@ -46,6 +48,8 @@ from kvserve.server.dialects import (
 )
 from kvserve.server.middleware import OPEN_PATHS, Gatekeeper
 from kvserve.server.protocol import APIError, validation_error_from_list
+
+log = logging.getLogger("kvserve.server")
 
 __all__ = [
     "ENDPOINTS",
@@ -135,6 +139,16 @@ def create_app(
         return error_response(request, APIError(exc.status_code, str(exc.detail)))
 
     app.add_middleware(Gatekeeper, state=state, endpoints=ENDPOINTS)
+    if server_config.allowed_origins:
+        # Outside the Gatekeeper: a preflight is answered here (no key needed, not logged nor
+        # counted), and the Gatekeeper's own answers (401, 413, 503) carry the CORS headers.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(server_config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS", "HEAD"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id", "Retry-After", "X-KVServe-Ignored-Fields"],
+        )
 
     errors = schemas.error_responses
 
@@ -147,6 +161,8 @@ def create_app(
 
     @app.get("/ready", responses={200: schemas.json_response(schemas.Status), **errors(503)})
     async def ready() -> Response:
+        if state.draining:
+            return json_response({"status": "draining"}, 503)
         if state.ready:
             body = {"status": "ready", "model": state.model_name}
             return json_response(body | state.engine.loaded.kernels_status())
@@ -190,10 +206,14 @@ def create_app(
 class Server(uvicorn.Server):
     """uvicorn's server, adjusted for serving generation.
 
-    On shutdown the engine is stopped first, so requests in flight end at once (a stream gets
-    an error event and `[DONE]`) instead of holding the shutdown until they finish. SIGINT and
-    SIGTERM end the server and `run`/`serve` return normally (uvicorn would re-raise them).
-    uvicorn's access log is off: the app writes its own line per request, 499s included.
+    SIGTERM or SIGINT drains: new generation and embedding requests get 503 (and /ready does),
+    those waiting for a slot get it at once, and running ones have `shutdown_timeout` seconds
+    (ServerConfig's, unless given) to finish while the server still listens. Then the engine is
+    stopped: what still runs ends at once (a stream gets an error event and its terminator).
+    A second signal ends the drain at once; a third, during the wait for connections, stops
+    without waiting. Other stops (`should_exit` set directly) skip the drain. `run`/`serve`
+    return normally after a signal (uvicorn would re-raise it). uvicorn's access log is off:
+    the app writes its own line per request, 499s included.
     """
 
     def __init__(
@@ -204,6 +224,7 @@ class Server(uvicorn.Server):
         port: int,
         log_level: str = "info",
         shutdown_grace: float = 5.0,
+        shutdown_timeout: float | None = None,
     ) -> None:
         super().__init__(
             uvicorn.Config(
@@ -222,6 +243,60 @@ class Server(uvicorn.Server):
             )
         )
         self.state: ServerState = app.state.kvserve
+        self.shutdown_timeout = (
+            self.state.config.shutdown_timeout if shutdown_timeout is None else shutdown_timeout
+        )
+        self._drain_asked = False  # a signal asked for a drain
+        self._drain_over = False  # the drain ended (or was skipped): the engine stops next
+        self._hurry = False  # a second signal: stop draining
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        # Runs in the signal handler (or another thread, in tests): only flags are set; the
+        # serving loop polls them.
+        if not self.should_exit:
+            self._drain_asked = True
+            self.should_exit = True
+        elif self._drain_asked and not self._drain_over:
+            self._hurry = True
+        else:
+            self.force_exit = True
+
+    async def main_loop(self) -> None:
+        await super().main_loop()
+        try:
+            if self._drain_asked and not self._hurry:
+                await self._drain()
+        finally:
+            self._drain_over = True
+
+    async def _drain(self) -> None:
+        """Refuse new work, then wait for what runs, up to `shutdown_timeout` seconds."""
+        state = self.state
+        refused = state.begin_drain()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        timeout = self.shutdown_timeout
+        running = state.num_in_flight - refused
+        log.info(
+            "draining: %d running, up to %g s%s; new requests get 503, a second signal stops "
+            "at once",
+            running,
+            timeout,
+            f" ({refused} waiting for a slot refused with 503)" if refused else "",
+        )
+        while state.num_in_flight > 0 and not self._hurry and loop.time() - started < timeout:
+            await asyncio.sleep(0.05)
+        left = state.num_in_flight
+        if left == 0:
+            log.info("drained in %.1f s", loop.time() - started)
+        elif self._hurry:
+            log.info("second signal: stopping now; %d still running end with an error", left)
+        else:
+            log.warning(
+                "shutdown timeout (%g s): stopping now; %d still running end with an error",
+                timeout,
+                left,
+            )
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await self.state.stop()

@@ -21,7 +21,7 @@ from kvserve.cli import (
     parse_size,
     resolve_model_argument,
 )
-from kvserve.config import ServerConfig, env_default
+from kvserve.config import ServerConfig, env_default, parse_origins
 from kvserve.server.tools import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:  # the engine imports torch; `kvserve serve --help` should not
@@ -58,6 +58,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest request body accepted, e.g. 8MiB (larger: 413)",
     )
     g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=e("--shutdown-timeout", defaults.shutdown_timeout, float),
+        help="seconds SIGTERM/SIGINT lets running requests finish before the rest end with an "
+        "error (new requests get 503 meanwhile; a second signal stops at once)",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        metavar="ORIGIN[,ORIGIN...]",
+        default=e("--allowed-origins", None),
+        help="origins browsers may call the API from (CORS), e.g. https://app.example.com; "
+        "'*' for any (refused with --api-key); default: no CORS headers",
+    )
+    g.add_argument(
         "--log-level",
         default=e("--log-level", defaults.log_level),
         choices=("debug", "info", "warning", "error"),
@@ -81,6 +95,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
+        shutdown_timeout=args.shutdown_timeout,
+        allowed_origins=parse_origins(args.allowed_origins),
     )
 
 
@@ -97,6 +113,7 @@ def banner(engine: Engine, model_name: str, url: str, server_config: ServerConfi
                 f"budget {config.queue.queue_timeout:g} s, "
                 f"{config.scheduler.max_num_batched_tokens} tokens per forward pass",
                 f"  API key: {'required' if server_config.api_key else 'not required'}",
+                f"  {_lifecycle(server_config)}",
                 f"  listening on {url}  (OpenAI base URL: {url}/v1; Ollama host: {url})",
             ]
         )
@@ -120,9 +137,16 @@ def banner(engine: Engine, model_name: str, url: str, server_config: ServerConfi
             f"({slots * config.queue.max_queue_per_slot} waiters), wait budget "
             f"{config.queue.queue_timeout:g} s, max model len {engine.max_model_len}",
             f"  API key: {'required' if server_config.api_key else 'not required'}",
+            f"  {_lifecycle(server_config)}",
             f"  listening on {url}  (OpenAI base URL: {url}/v1; Ollama host: {url})",
         ]
     )
+
+
+def _lifecycle(server_config: ServerConfig) -> str:
+    origins = server_config.allowed_origins
+    cors = f"CORS for {', '.join(origins)}" if origins else "no CORS"
+    return f"shutdown: running requests get {server_config.shutdown_timeout:g} s to finish; {cors}"
 
 
 def _speculation(spec) -> str:

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -68,16 +68,25 @@ FieldPolicy = Callable[[Mapping[str, Any]], tuple[list[str], APIError | None]]
 class Exchange:
     """What one HTTP request did: the facts of its access-log line and HTTP counters."""
 
-    request_id: str
+    request_id: str  # unique in this process: the engine's id, and the bodies' ids
     method: str
     path: str
     started: float
+    client_id: str | None = None  # the client's X-Request-Id, when it sent an acceptable one
     status: int | None = None  # as sent, or 499 once the client is known to be gone
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     first_token_at: float | None = None
     finish_reason: str | None = None
     ignored_fields: tuple[str, ...] = ()
+    tracked: bool = False  # counted among the requests a drain waits for
+    shutting_down: bool = False  # refused with 503 because the server drains
+
+    @property
+    def log_id(self) -> str:
+        """The id the client knows the request by: its X-Request-Id, else the generated one;
+        the access log's and the response header's."""
+        return self.client_id or self.request_id
 
     def saw_tokens(self, delta: Delta) -> None:
         if delta.token_ids and self.first_token_at is None:
@@ -85,12 +94,16 @@ class Exchange:
 
     def log_line(self, duration: float) -> str:
         ttft = "-" if self.first_token_at is None else f"{self.first_token_at - self.started:.3f}s"
-        return (
-            f"{self.request_id} {self.method} {self.path} {self.status} "
+        line = (
+            f"{self.log_id} {self.method} {self.path} {self.status} "
             f"prompt_tokens={_or_dash(self.prompt_tokens)} "
             f"completion_tokens={_or_dash(self.completion_tokens)} ttft={ttft} "
             f"duration={duration:.3f}s finish={_or_dash(self.finish_reason)}"
         )
+        if self.client_id is not None:
+            # The id the engine (its log, the dashboard) and the response bodies use.
+            line += f" internal_id={self.request_id}"
+        return line
 
 
 def _or_dash(value: object) -> str:
@@ -133,10 +146,16 @@ class ServerState:
         self._on_ready = on_ready
         self._on_load_error = on_load_error
         self._loader: threading.Thread | None = None
+        self.draining = False
+        self.num_in_flight = 0  # API requests accepted whose response has not ended
+        # Requests waiting for a slot, by request id: each entry refuses its request if it is
+        # still waiting (True when it did).
+        self._queued: dict[str, Callable[[], bool]] = {}
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.running
+        """The engine runs and the server takes requests (not draining)."""
+        return self.engine is not None and self.engine.running and not self.draining
 
     async def load(self) -> None:
         """Build the engine in a daemon thread (the model load takes seconds, and a server
@@ -188,6 +207,45 @@ class ServerState:
         if self.engine is not None:
             await self.engine.stop()
 
+    # -- draining ------------------------------------------------------------------------------
+
+    def begin_drain(self) -> int:
+        """Take no new generation or embedding requests (503), and refuse at once those still
+        waiting for a slot; running ones go on. Returns how many waiting ones were refused."""
+        self.draining = True
+        self.metrics.draining.set(1)
+        return sum(1 for refuse in list(self._queued.values()) if refuse())
+
+    def shutting_down(self, exchange: Exchange) -> APIError:
+        """The 503 of a request that arrives, or still waits for a slot, while draining."""
+        exchange.shutting_down = True
+        return APIError(
+            503,
+            "the server is shutting down and takes no new requests; retry on another server",
+            code="shutting_down",
+            # Retry at once: a load balancer sends it elsewhere once /ready says 503.
+            headers={"Retry-After": "1"},
+        )
+
+    def refuse_if_draining(self, exchange: Exchange) -> None:
+        if self.draining:
+            raise self.shutting_down(exchange)
+
+    @contextlib.contextmanager
+    def queued(self, request_id: str, refuse: Callable[[], bool]) -> Iterator[None]:
+        """While the request waits for a slot, a drain may refuse it with `refuse()`."""
+        self._queued[request_id] = refuse
+        try:
+            yield
+        finally:
+            self._queued.pop(request_id, None)
+
+    def finished(self, exchange: Exchange) -> None:
+        """The response of `exchange` has ended (called by the middleware for every request)."""
+        if exchange.tracked:
+            exchange.tracked = False
+            self.num_in_flight -= 1
+
     def require_engine(self) -> Engine:
         if self.engine is None:
             if self.load_error is not None:
@@ -230,6 +288,9 @@ class ServerState:
         model, its harmless unknown fields recorded. A route that `generates` refuses (400) a
         model that only embeds."""
         exchange = exchange_of(request)
+        if not exchange.tracked:  # until its response ends, a drain waits for it
+            exchange.tracked = True
+            self.num_in_flight += 1
         engine = self.require_engine()
         body = parse_request(model, await request.body())
         self.check_model(getattr(body, "model", None))
@@ -273,6 +334,7 @@ class ServerState:
         this request used, for the errors that name them. `cache_salt` isolates the request's
         tenant in the prefix cache."""
         engine = self.require_engine()
+        self.refuse_if_draining(exchange)
         request_id = exchange.request_id
         exchange.prompt_tokens = len(prompt_ids)
         try:
@@ -289,12 +351,25 @@ class ServerState:
             raise APIError.from_engine(exc, param_names=param_names) from None
         watcher = DisconnectWatcher(request.receive)
         handed_over = False
+
+        def refuse() -> bool:
+            # Still queued (or compiling its grammar): ends now, and answers 503 below.
+            state = engine.get(request_id)
+            return (
+                state is not None
+                and not state.is_admitted
+                and engine.cancel(request_id, "shutdown")
+            )
+
         try:
             try:
-                await watcher.race(submitted.admitted())
+                with self.queued(request_id, refuse):
+                    await watcher.race(submitted.admitted())
             except ClientGone:
                 return _client_gone(exchange)
             except RequestCancelled:
+                if self.draining:  # only a drain cancels a request that waits
+                    raise self.shutting_down(exchange) from None
                 return _client_gone(exchange)
             except EngineError as exc:
                 raise APIError.from_engine(exc, param_names=param_names) from None
@@ -361,7 +436,7 @@ class ServerState:
                     yield text.encode()
         except Exception:
             # The 200 is out: the only way left to tell the client is an error event.
-            log.exception("%s: streaming failed", exchange.request_id)
+            log.exception("%s: streaming failed", exchange.log_id)
             yield rendering.error_tail(APIError(500, "internal error while streaming")).encode()
         finally:
             if exchange.finish_reason is None:

@@ -31,10 +31,17 @@ if TYPE_CHECKING:
 
 __all__ = ["EMBEDDING_REJECTION_REASONS", "REJECTION_REASONS", "ServerMetrics"]
 
-REJECTION_REASONS = ("queue_full", "queue_timeout", "infeasible", "client_gone", "slow_consumer")
+REJECTION_REASONS = (
+    "queue_full",
+    "queue_timeout",
+    "infeasible",
+    "client_gone",
+    "slow_consumer",
+    "shutting_down",
+)
 """Every reason a request is turned away or dropped; each is exported from the start at 0."""
 
-EMBEDDING_REJECTION_REASONS = ("queue_full", "queue_timeout", "client_gone")
+EMBEDDING_REJECTION_REASONS = ("queue_full", "queue_timeout", "client_gone", "shutting_down")
 """Every reason an embedding request is turned away or dropped (counted apart)."""
 
 # vLLM's buckets, so that percentiles computed from either server line up.
@@ -199,8 +206,13 @@ class ServerMetrics(EngineObserver):
         )
         self.http_server_errors = Counter(
             "kvserve:http_server_errors",
-            "HTTP requests answered with a 5xx status.",
+            "HTTP requests answered with a 5xx status (a drain's 503s are rejections).",
             ["endpoint"],
+            registry=r,
+        )
+        self.draining = Gauge(
+            "kvserve:server_draining",
+            "1 while the server drains to stop: new requests get 503, running ones finish.",
             registry=r,
         )
         self.ignored_fields = Counter(
@@ -361,11 +373,24 @@ class ServerMetrics(EngineObserver):
 
     # -- HTTP level ----------------------------------------------------------------------------
 
-    def observe_http(self, endpoint: str, status: int, *, client_gone: bool = True) -> None:
+    def observe_http(
+        self,
+        endpoint: str,
+        status: int,
+        *,
+        client_gone: bool = True,
+        shutting_down: bool = False,
+    ) -> None:
         """Count one answered request; 499 is counted as such (and, unless `client_gone` is
-        False, as a client_gone rejection), never as a server error."""
+        False, as a client_gone rejection), never as a server error; so is a 503 refused by a
+        drain (`shutting_down`), as a shutting_down rejection."""
         self.http_requests.labels(endpoint, str(status)).inc()
-        if status == 499:
+        if shutting_down:
+            if endpoint in self.embedding_endpoints:
+                self.embedding_rejections.labels("shutting_down").inc()
+            else:
+                self.rejections.labels("shutting_down").inc()
+        elif status == 499:
             if endpoint in self.embedding_endpoints:
                 self.embedding_rejections.labels("client_gone").inc()
             elif client_gone:

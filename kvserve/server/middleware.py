@@ -1,5 +1,11 @@
 """The ASGI layer in front of the routes: auth, body limit, request ids, access log.
 
+A request's id is generated here, unique in the process: the engine, its log and the dashboard
+know the request by it, and the bodies' ids are made of it. A client's own `X-Request-Id` of at
+most 128 visible characters of `[A-Za-z0-9._:/+=@-]` names the request in the access log and
+is echoed back; any other (too long, spaces, control characters, non-ASCII) is ignored and the
+generated id is sent instead.
+
 Pure ASGI (it must not buffer streamed responses). Its errors are written in the dialect of the
 path they answer (`ServerState.error_body`).
 """
@@ -8,11 +14,12 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 import string
 import time
 import urllib.parse
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from kvserve.server.core import Exchange, ServerState
@@ -32,6 +39,17 @@ OPEN_PAGES = frozenset({"/dashboard"})
 protected."""
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+_CLIENT_ID = re.compile(rb"[A-Za-z0-9._:/+=@-]{1,128}")
+"""An X-Request-Id a client may give its request: safe in a log line and a header."""
+
+
+def client_request_id(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """The client's X-Request-Id (its first), when acceptable; else None."""
+    for name, value in headers:
+        if name == b"x-request-id":
+            return value.decode("ascii") if _CLIENT_ID.fullmatch(value) else None
+    return None
 
 
 def _header_safe(name: str) -> str:
@@ -71,6 +89,7 @@ class Gatekeeper:
             method=scope["method"],
             path=scope["path"],
             started=time.monotonic(),
+            client_id=client_request_id(scope.get("headers", ())),
         )
         scope.setdefault("state", {})["exchange"] = exchange
         started = False
@@ -83,7 +102,7 @@ class Gatekeeper:
                     exchange.status = message["status"]
                 headers = [
                     *message.get("headers", ()),
-                    (b"x-request-id", exchange.request_id.encode()),
+                    (b"x-request-id", exchange.log_id.encode()),
                 ]
                 if exchange.ignored_fields:
                     ignored = ",".join(map(_header_safe, exchange.ignored_fields)).encode()
@@ -102,7 +121,7 @@ class Gatekeeper:
         except ClientGone:
             exchange.status = 499
         except Exception:
-            log.exception("%s: unhandled error", exchange.request_id)
+            log.exception("%s: unhandled error", exchange.log_id)
             exchange.status = 500
             if not started:
                 await self._send_error(
@@ -183,15 +202,19 @@ class Gatekeeper:
         return replay, None
 
     def _finish(self, exchange: Exchange) -> None:
+        self.state.finished(exchange)
         status = exchange.status if exchange.status is not None else 499
         exchange.status = status
         endpoint = exchange.path if exchange.path in self.endpoints else "other"
         # A client dropped for reading too slowly is counted once, as slow_consumer.
         self.state.metrics.observe_http(
-            endpoint, status, client_gone=exchange.finish_reason != "slow_consumer"
+            endpoint,
+            status,
+            client_gone=exchange.finish_reason != "slow_consumer",
+            shutting_down=exchange.shutting_down and status == 503,
         )
         duration = time.monotonic() - exchange.started
-        level = logging.WARNING if status >= 500 else logging.INFO
+        level = logging.WARNING if status >= 500 and not exchange.shutting_down else logging.INFO
         access_log.log(level, "%s", exchange.log_line(duration))
 
     async def _send_error(self, send: Any, path: str, error: APIError) -> None:

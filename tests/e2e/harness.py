@@ -1,8 +1,10 @@
-"""A served app on its own event loop in a daemon thread, for tests: `BackgroundServer`."""
+"""A served app on its own event loop in a daemon thread, for tests: `BackgroundServer`; and
+for `kvserve serve` run as a process: `free_port`, `OutputLines`."""
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import socket
 import threading
 import time
@@ -123,3 +125,56 @@ class BackgroundServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class OutputLines:
+    """A process's output stream, line by line, read in a thread so waits can time out."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{text!r} not printed; got {self.lines}")
+            try:
+                line = self._queue.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise RuntimeError(f"the process exited before printing {text!r}: {self.lines}")
+            self.lines.append(line)
+            if text in line:
+                return line
+
+    def until_closed(self, timeout: float) -> list[str]:
+        """Every line, once the stream has ended (the process exited)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"the stream did not end; got {self.lines}")
+            try:
+                line = self._queue.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                self._queue.put(None)  # closed for any later wait too
+                return self.lines
+            self.lines.append(line)

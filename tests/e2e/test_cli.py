@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
 import socket
@@ -19,52 +18,17 @@ import pytest
 
 from kvserve.model.kernels import load_kernels
 from kvserve.model.loader import cpu_has_bf16
+from tests.e2e.harness import OutputLines, free_port
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "cli-test-key"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _Lines:
-    """The process's stdout, line by line, read in a thread so waits can time out."""
-
-    def __init__(self, stream) -> None:
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
-
-    def _pump(self, stream) -> None:
-        for line in stream:
-            self._queue.put(line)
-        self._queue.put(None)
-
-    def wait_for(self, text: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{text!r} not printed; got {self.lines}")
-            try:
-                line = self._queue.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise RuntimeError(f"the process exited before printing {text!r}: {self.lines}")
-            self.lines.append(line)
-            if text in line:
-                return line
-
-
 def test_the_port_accepts_connections_before_the_heavy_imports(tmp_path):
     """`kvserve serve` listens before it imports torch and the engine: a client that connects
     meanwhile waits in the backlog and is answered, never refused."""
-    port = _free_port()
+    port = free_port()
     go = tmp_path / "go"
     held = tmp_path / "held"
     code = f"""
@@ -116,7 +80,7 @@ sys.exit(main(["serve", "--host", "127.0.0.1", "--port", "{port}",
 def test_a_stop_while_the_model_loads_exits_cleanly(tmp_path):
     """SIGINT while the model is still loading (held inside the load, in its thread): the
     process stops at once with status 0, without waiting for the load or aborting."""
-    port = _free_port()
+    port = free_port()
     held = tmp_path / "held"
     code = f"""
 import importlib.abc, pathlib, sys, threading, time
@@ -166,7 +130,7 @@ sys.exit(main(["serve", "--host", "127.0.0.1", "--port", "{port}",
     ids=["SIGINT-no-flags", "SIGTERM-quantization-none"],
 )
 def test_serve_subprocess(stop_signal, int8):
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -175,6 +139,8 @@ def test_serve_subprocess(stop_signal, int8):
         "KVSERVE_NUM_KV_BLOCKS": "64",
         "KVSERVE_MAX_NUM_SEQS": "2",
         "KVSERVE_DEVICE": "cpu",
+        # No drain: the stream in flight at the signal is ended by the engine's stop.
+        "KVSERVE_SHUTDOWN_TIMEOUT": "0",
     }
     for name in ("KVSERVE_QUANTIZATION", "KVSERVE_KV_CACHE_DTYPE"):
         env.pop(name, None)
@@ -190,7 +156,7 @@ def test_serve_subprocess(stop_signal, int8):
     stderr_lines: list[str] = []
     threading.Thread(target=lambda: stderr_lines.extend(process.stderr), daemon=True).start()
     try:
-        stdout = _Lines(process.stdout)
+        stdout = OutputLines(process.stdout)
         url_line = stdout.wait_for("listening on", timeout=240)
         url = f"http://127.0.0.1:{port}"
         assert url in url_line
@@ -199,6 +165,7 @@ def test_serve_subprocess(stop_signal, int8):
         assert "holds 2.0 full contexts of 1024 positions, or 8 typical answers of 256" in banner
         assert "admission: partial (the prompt and the first 256 answer positions" in banner
         assert "SmolLM2" in banner
+        assert "shutdown: running requests get 0 s to finish; no CORS" in banner
         # The start's split and the memory plan, the pool's share read off its own line.
         assert re.search(
             r"started in [0-9.]+ s: kernels [0-9.]+ s, read [0-9.]+ s, weights [0-9.]+ s \(", banner
@@ -233,7 +200,8 @@ def test_serve_subprocess(stop_signal, int8):
         else:
             assert f"precision: linear layers {dtype} (asked for); KV cache {dtype}" in banner
 
-        # A stream in flight when the signal arrives ends with an error event and [DONE].
+        # A stream in flight when the signal arrives, with no time to finish, ends with an
+        # error event and [DONE].
         long = {**payload, "max_tokens": 500, "ignore_eos": True, "stream": True}
         with httpx.stream(
             "POST", url + "/v1/chat/completions", json=long, headers=headers, timeout=60
@@ -264,7 +232,7 @@ def test_serve_starts_warns_once_and_answers_with_an_unwritable_kernel_cache(tmp
     warning says so, and the server answers; /ready names what was built and for which CPU."""
     blocker = tmp_path / "read-only"
     blocker.write_text("a file, not a directory")
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -282,7 +250,7 @@ def test_serve_starts_warns_once_and_answers_with_an_unwritable_kernel_cache(tmp
     stderr_lines: list[str] = []
     threading.Thread(target=lambda: stderr_lines.extend(process.stderr), daemon=True).start()
     try:
-        _Lines(process.stdout).wait_for("listening on", timeout=300)
+        OutputLines(process.stdout).wait_for("listening on", timeout=300)
         url = f"http://127.0.0.1:{port}"
         ready = httpx.get(url + "/ready").json()
         assert ready["status"] == "ready" and ready["kernels"]["families"]
@@ -306,7 +274,7 @@ def test_serve_starts_warns_once_and_answers_with_an_unwritable_kernel_cache(tmp
 
 
 def test_serve_an_embedding_model_directory(minilm_dir):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVSERVE_DEVICE": "cpu"}
     process = subprocess.Popen(
         [sys.executable, "-m", "kvserve", "serve", str(minilm_dir), "--port", str(port)],
@@ -316,7 +284,7 @@ def test_serve_an_embedding_model_directory(minilm_dir):
         env=env,
     )
     try:
-        stdout = _Lines(process.stdout)
+        stdout = OutputLines(process.stdout)
         stdout.wait_for("listening on", timeout=240)
         banner = "".join(stdout.lines)
         assert "for embeddings (it generates no text)" in banner

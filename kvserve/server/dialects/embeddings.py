@@ -144,14 +144,26 @@ async def _embed(
 
     inputs = await in_thread(prepare)
     exchange.prompt_tokens = sum(len(ids) for ids in inputs)
+    state.refuse_if_draining(exchange)
     try:
         job = embedder.submit(exchange.request_id, inputs, exchange.started)
     except EngineError as exc:
         raise APIError.from_engine(exc, param_names={"input": param}) from None
     watcher = DisconnectWatcher(request.receive)
+
+    def refuse() -> bool:
+        # None of its inputs has started: it ends now, and answers 503 below.
+        return job.started_at is None and embedder.cancel(exchange.request_id)
+
     try:
-        vectors = await watcher.race(job.result())
-    except (ClientGone, RequestCancelled):
+        with state.queued(exchange.request_id, refuse):
+            vectors = await watcher.race(job.result())
+    except RequestCancelled:
+        if state.draining:  # only a drain cancels a job that waits
+            raise state.shutting_down(exchange) from None
+        exchange.status = 499
+        return Response(status_code=499)
+    except ClientGone:
         exchange.status = 499
         return Response(status_code=499)
     except EngineError as exc:
