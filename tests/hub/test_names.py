@@ -18,7 +18,7 @@ import pytest
 from kvserve import LLM, SamplingParams, hub
 from kvserve.cli import main
 from kvserve.model.paths import default_model_path
-from tests.e2e.test_cli import _free_port, _Lines
+from tests.e2e.harness import OutputLines, free_port
 from tests.hub.fake_index import build_wheel, write_simple_index
 
 pytestmark = pytest.mark.slow
@@ -86,7 +86,7 @@ def test_generate_pulls_with_pull_then_answers(catalogue, capsys):
 
 
 def test_serve_serves_a_catalogue_model_under_its_name(catalogue):
-    port = _free_port()
+    port = free_port()
     code = textwrap.dedent(
         f"""
         import pickle, sys
@@ -107,7 +107,7 @@ def test_serve_serves_a_catalogue_model_under_its_name(catalogue):
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     try:
-        stdout = _Lines(process.stdout)
+        stdout = OutputLines(process.stdout)
         stdout.wait_for("listening on", timeout=240)
         assert "kvserve: serving 'fake:135m'" in "".join(stdout.lines)
         url = f"http://127.0.0.1:{port}"
