@@ -34,7 +34,7 @@ TOPICS = ("the sea", "mountains", "a city at night", "rivers", "the moon", "fore
 def chat(index: int) -> dict:
     topic = TOPICS[index % len(TOPICS)]
     return {
-        "messages": [{"role": "user", "content": f"Write a paragraph about {topic}. ({index})"}],
+        "messages": [{"role": "user", "content": f"Describe {topic} in five sentences. ({index})"}],
         "stream": True,
         "temperature": 0,
     }
