@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 PROMPT_LENGTHS = [1, 31, 32, 33, 511, 512, 513, 1000, 2049, 8000]
 # A real 0.5B model prefills about 100x slower than the default one: the lengths that cross a
 # block, a chunk and several chunks, to keep the suite's time.
-REAL_PROMPT_LENGTHS = [1, 31, 32, 33, 512, 513, 2049]
+REAL_PROMPT_LENGTHS = [1, 31, 32, 33, 512, 513, 1100]
 MAX_MODEL_LEN = 8192
 
 
