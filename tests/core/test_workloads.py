@@ -400,6 +400,17 @@ def tight_workloads(draw: st.DrawFn) -> tuple:
     return config, num_blocks, block_size, max_model_len, jobs, max_overtakes
 
 
+def assert_admitted_requests_finish(run, jobs: list[Job]) -> None:
+    """No step stood still, and every admitted request finished or was cancelled (no timeouts
+    in these workloads, and the queue holds all of them)."""
+    assert run.num_stuck_steps == 0
+    for job in jobs:
+        outcome = run.outcomes.get(job.request_id)
+        assert outcome is not None and outcome.split(":")[0] in ("finished", "cancelled", "refused")
+        if job.cancel_step is None and not outcome.startswith("refused"):
+            assert outcome == "finished"
+
+
 @settings(max_examples=200, deadline=None)
 @given(tight_workloads())
 def test_partial_reservation_with_preemption_finishes_every_admitted_request(
@@ -420,13 +431,7 @@ def test_partial_reservation_with_preemption_finishes_every_admitted_request(
         max_overtakes=max_overtakes,
         caching=True,
     )
-    assert run.num_stuck_steps == 0
-    for job in jobs:
-        outcome = run.outcomes.get(job.request_id)
-        # Admitted requests finish or are cancelled; no timeouts here, and the queue holds all.
-        assert outcome is not None and outcome.split(":")[0] in ("finished", "cancelled", "refused")
-        if job.cancel_step is None and not outcome.startswith("refused"):
-            assert outcome == "finished"
+    assert_admitted_requests_finish(run, jobs)
     assert run.scheduler.num_running == 0 and run.scheduler.num_preempted == 0
     assert len(run.queue) == 0
     pool = run.scheduler.pool
@@ -519,12 +524,7 @@ def test_windowed_workloads_with_sharing_and_preemption_leave_the_pool_whole(
         caching=True,
         window=window,
     )
-    assert run.num_stuck_steps == 0
-    for job in jobs:
-        outcome = run.outcomes.get(job.request_id)
-        assert outcome is not None and outcome.split(":")[0] in ("finished", "cancelled", "refused")
-        if job.cancel_step is None and not outcome.startswith("refused"):
-            assert outcome == "finished"
+    assert_admitted_requests_finish(run, jobs)
     kv = run.scheduler.kv
     assert run.scheduler.num_running == 0 and run.scheduler.num_preempted == 0
     assert kv.pool.num_free == num_blocks and kv.num_spare == 0 and kv.check_whole()

@@ -147,34 +147,31 @@ class OutputLines:
             self._queue.put(line)
         self._queue.put(None)
 
-    def wait_for(self, text: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{text!r} not printed; got {self.lines}")
-            try:
-                line = self._queue.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise RuntimeError(f"the process exited before printing {text!r}: {self.lines}")
-            self.lines.append(line)
-            if text in line:
-                return line
-
-    def until_closed(self, timeout: float) -> list[str]:
-        """Every line, once the stream has ended (the process exited)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"the stream did not end; got {self.lines}")
+    def _next(self, deadline: float, waiting_for: str) -> str | None:
+        """The next line (kept in `lines`), None once the stream has ended; TimeoutError when
+        none comes before `deadline`."""
+        while (remaining := deadline - time.monotonic()) > 0:
             try:
                 line = self._queue.get(timeout=remaining)
             except queue.Empty:
                 continue
             if line is None:
                 self._queue.put(None)  # closed for any later wait too
-                return self.lines
+                return None
             self.lines.append(line)
+            return line
+        raise TimeoutError(f"{waiting_for}; got {self.lines}")
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while (line := self._next(deadline, f"{text!r} not printed")) is not None:
+            if text in line:
+                return line
+        raise RuntimeError(f"the process exited before printing {text!r}: {self.lines}")
+
+    def until_closed(self, timeout: float) -> list[str]:
+        """Every line, once the stream has ended (the process exited)."""
+        deadline = time.monotonic() + timeout
+        while self._next(deadline, "the stream did not end") is not None:
+            pass
+        return self.lines
