@@ -81,6 +81,15 @@ def _optional_int(text: str) -> int | None:
     return None if text.lower() in ("", "none", "auto") else int(text)
 
 
+class _Models(argparse.Action):
+    """The positional models: the list in `models`, the first in `model`."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        names = list(values or [])
+        namespace.models = names
+        namespace.model = names[0] if names else None
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
     """Flags shared by every command that runs the engine (serve, generate)."""
     e = env_default
@@ -89,7 +98,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         "or a Hugging Face model directory (default: embedded SmolLM2-135M)"
     )
     if positional_model:
-        parser.add_argument("model", nargs="?", default=e("--model", None), help=model_help)
+        # Several models (`kvserve serve A B`) are served side by side; `model` is the first.
+        first = e("--model", None)
+        parser.add_argument(
+            "models",
+            nargs="*",
+            metavar="MODEL",
+            action=_Models,
+            default=[first] if first else [],
+            help=model_help + "; several are served side by side, each loaded on first use",
+        )
+        parser.set_defaults(model=first)
     else:
         parser.add_argument("-m", "--model", default=e("--model", None), help=model_help)
     parser.add_argument(
@@ -255,13 +274,21 @@ def resolve_model_argument(args: argparse.Namespace) -> str | None:
     """Check the model argument before anything heavy starts: None when it names a model
     present here (pulled first with `--pull`), else the message to print. A catalogue name
     not pulled yet is refused with the command that pulls it."""
+    for model in getattr(args, "models", None) or [args.model]:
+        problem = _resolve_one(model, pull=getattr(args, "pull", False))
+        if problem is not None:
+            return problem
+    return None
+
+
+def _resolve_one(model: str | None, *, pull: bool) -> str | None:
     from kvserve import hub
     from kvserve.model.paths import resolve_model_path
 
     try:
-        resolve_model_path(args.model)
+        resolve_model_path(model)
     except hub.NotPulledError as exc:
-        if not getattr(args, "pull", False):
+        if not pull:
             return str(exc)
         from kvserve.hub.pull_cli import pull_entry
 
