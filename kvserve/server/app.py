@@ -6,6 +6,7 @@ middleware, and the probes.
     POST /api/chat   POST /api/generate   GET /api/tags   POST /api/show   GET /api/ps
     GET /api/version   POST /api/pull   GET / (Ollama's)
     POST /v1/embeddings   POST /api/embed   POST /api/embeddings
+    GET /v1/models/{id}
     POST /tokenize   POST /detokenize   GET /health   GET /ready   GET /metrics
     GET /v1/engine/events   GET /dashboard
 
@@ -33,8 +34,7 @@ from starlette.responses import Response
 
 from kvserve import __version__
 from kvserve.config import ServerConfig
-from kvserve.engine.engine import Engine, Observers
-from kvserve.engine.events import EngineEvents
+from kvserve.engine.engine import Engine
 from kvserve.server import dashboard, schemas
 from kvserve.server.core import EngineFactory, Exchange, ServerState, json_response
 from kvserve.server.dialects import (
@@ -47,6 +47,7 @@ from kvserve.server.dialects import (
     tokenize,
 )
 from kvserve.server.middleware import OPEN_PATHS, Gatekeeper
+from kvserve.server.models import ModelRegistry, ServedModel
 from kvserve.server.protocol import APIError, validation_error_from_list
 
 log = logging.getLogger("kvserve.server")
@@ -78,22 +79,18 @@ ENDPOINTS = frozenset(
 
 def create_app(
     server_config: ServerConfig,
-    engine_factory: EngineFactory,
+    models: EngineFactory | ModelRegistry,
     *,
     on_ready: Callable[[Engine], None] | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    """The FastAPI app. At start-up `engine_factory(observer)` runs in a background thread
-    (load the model there) while /health already answers and /ready says 503; once it returns
-    the engine starts on the serving loop and `on_ready(engine)` is called. The app's state is
+    """The FastAPI app over one model (`models` an EngineFactory: the model loaded at start
+    and kept) or several (a ModelRegistry). Each load runs `factory(observer)` in a background
+    thread while /health already answers; /ready says 503 until the models marked for start-up
+    are loaded. `on_ready(engine)` is called after each load. The app's state is
     `app.state.kvserve` (a ServerState)."""
-    events = EngineEvents()
-    state = ServerState(
-        server_config,
-        lambda observer: engine_factory(Observers(observer, events)),
-        on_ready=on_ready,
-        on_load_error=on_load_error,
-    )
+    state = ServerState(server_config, models, on_ready=on_ready, on_load_error=on_load_error)
+    events = state.models.default.events
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -154,9 +151,10 @@ def create_app(
 
     @app.get("/health", responses={200: schemas.json_response(schemas.Status), **errors(503)})
     async def health() -> Response:
-        # Liveness: the process answers; an engine that died after loading is not alive.
-        if state.engine is not None and not state.engine.running:
-            return json_response({"status": "engine stopped"}, 503)
+        # Liveness: the process answers; an engine that died while loaded is not alive.
+        for model in state.models.models:
+            if model.loaded and not model.engine.running:
+                return json_response({"status": "engine stopped", "model": model.name}, 503)
         return json_response({"status": "ok"})
 
     @app.get("/ready", responses={200: schemas.json_response(schemas.Status), **errors(503)})
@@ -164,8 +162,11 @@ def create_app(
         if state.draining:
             return json_response({"status": "draining"}, 503)
         if state.ready:
-            body = {"status": "ready", "model": state.model_name}
-            return json_response(body | state.engine.loaded.kernels_status())
+            body: dict = {"status": "ready", "model": state.model_name}
+            if len(state.models.models) > 1:
+                body["models"] = {m.name: m.status for m in state.models.models}
+            engine = state.engine
+            return json_response(body | (engine.loaded.kernels_status() if engine else {}))
         if state.load_error is not None:
             return json_response({"status": "failed", "error": str(state.load_error)}, 503)
         return json_response({"status": "loading"}, 503)
@@ -180,20 +181,40 @@ def create_app(
         responses={200: schemas.json_response(schemas.ModelList), **errors(401, 503)},
     )
     async def models() -> Response:
-        engine = state.require_engine()
+        served = state.models.models
+        if served[0].name is None:  # a lone model, named once it has loaded
+            state.require_engine()
+        return json_response({"object": "list", "data": [model_card(m) for m in served]})
+
+    @app.get(
+        "/v1/models/{model_id:path}",
+        responses={200: schemas.json_response(schemas.ModelCard), **errors(401, 404, 503)},
+    )
+    async def model(model_id: str) -> Response:
+        served = state.models.find(model_id)
+        if served is None or served.name is None:
+            if served is not None:
+                state.require_engine()
+            raise state.models.not_found(model_id)
+        return json_response(model_card(served))
+
+    def model_card(served: ServedModel) -> dict:
+        """OpenAI's model object, with whether it is loaded and until when."""
+        engine = served.engine
         card = {
-            "id": state.model_name,
+            "id": served.name,
             "object": "model",
             "created": state.created,
             "owned_by": "kvserve",
-            "root": engine.loaded.name,
-            "max_model_len": engine.max_model_len,
+            "root": engine.loaded.name if engine is not None else served.name,
         }
-        return json_response({"object": "list", "data": [card]})
+        if engine is not None:
+            card["max_model_len"] = engine.max_model_len
+        return card | served.card()
 
     for dialect in _DIALECTS:
         dialect.register(app, state)
-    dashboard.register(app, state, events)
+    dashboard.register(app, state)
 
     schemas.describe(app, {key: body for d in _DIALECTS for key, body in d.BODIES.items()})
     return app

@@ -71,6 +71,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="origins browsers may call the API from (CORS), e.g. https://app.example.com; "
         "'*' for any (refused with --api-key); default: no CORS headers",
     )
+    m = parser.add_argument_group("several models")
+    m.add_argument(
+        "--models-dir",
+        metavar="DIR",
+        default=e("--models-dir", None),
+        help="serve every .gguf file and model directory in DIR too (each loaded on first use)",
+    )
+    m.add_argument(
+        "--preload",
+        metavar="NAME[,NAME...]",
+        action="append",
+        default=None,
+        help="load these models at start (default: a lone model is; of several, none)",
+    )
+    m.add_argument(
+        "--keep-alive",
+        metavar="DURATION",
+        default=e("--keep-alive", None),
+        help="how long a model stays loaded after its last request, e.g. 5m, 30s, 0 (at "
+        "once), -1 (until the server stops); default: a lone model stays, several get 5m; "
+        "an Ollama request's keep_alive overrides it for its model",
+    )
+    m.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=e("--max-loaded-models", None, int),
+        help="most models loaded at once; the least recently used idle one unloads for a new "
+        "one (default: no limit)",
+    )
+    m.add_argument(
+        "--max-loaded-bytes",
+        type=parse_size,
+        default=e("--max-loaded-bytes", None, parse_size),
+        help="most bytes of weights and KV pools loaded at once, e.g. 8GiB (default: no limit)",
+    )
     g.add_argument(
         "--log-level",
         default=e("--log-level", defaults.log_level),
@@ -97,6 +132,89 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         tool_call_parser=args.tool_call_parser,
         shutdown_timeout=args.shutdown_timeout,
         allowed_origins=parse_origins(args.allowed_origins),
+    )
+
+
+SEVERAL_KEEP_ALIVE = 300.0
+"""Seconds an idle model of several stays loaded by default (Ollama's 5 minutes)."""
+
+
+def model_arguments(args: argparse.Namespace) -> list[str | None]:
+    """The models to serve: the positional ones, then those in --models-dir (sorted by name,
+    skipping what is already named)."""
+    models: list[str | None] = list(getattr(args, "models", None) or [args.model])
+    directory = getattr(args, "models_dir", None)
+    if directory:
+        from pathlib import Path
+
+        root = Path(directory).expanduser()
+        if not root.is_dir():
+            raise ValueError(f"--models-dir: {directory} is not a directory")
+        found = [
+            str(path)
+            for path in sorted(root.iterdir())
+            if (path.is_file() and path.suffix == ".gguf")
+            or (path.is_dir() and (path / "config.json").exists())
+        ]
+        if not found:
+            raise ValueError(f"--models-dir: {directory} holds no .gguf file or model directory")
+        models = [m for m in models if m is not None] + found
+    return models or [None]
+
+
+def build_registry(args: argparse.Namespace, engine_config, server_config: ServerConfig):
+    """The served models (ModelRegistry) from the flags: each with its engine settings,
+    name, keep-alive and whether it loads at start."""
+    import dataclasses
+
+    from kvserve.engine.embedding import build_engine
+    from kvserve.model.paths import model_name, resolve_model_path
+    from kvserve.server.models import ModelRegistry, ServedModel, parse_keep_alive
+
+    arguments = model_arguments(args)
+    several = len(arguments) > 1
+    if several and server_config.served_model_name:
+        raise ValueError("--served-model-name names one model; several are served by their names")
+    keep_alive: float | None = SEVERAL_KEEP_ALIVE if several else None
+    if args.keep_alive not in (None, ""):
+        try:
+            keep_alive = parse_keep_alive(args.keep_alive)
+        except ValueError:
+            raise ValueError(
+                f"--keep-alive: {args.keep_alive!r} is not a duration such as 5m, 30s or -1"
+            ) from None
+    preload = {name for value in args.preload or () for name in value.split(",") if name}
+    served: list[ServedModel] = []
+    for argument in arguments:
+        path = resolve_model_path(argument)
+        name = server_config.served_model_name or model_name(argument, path)
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        config = dataclasses.replace(engine_config, model=argument)
+        served.append(
+            ServedModel(
+                name,
+                lambda observer, config=config: build_engine(config, observer),
+                keep_alive=keep_alive,
+                estimate_bytes=sum(f.stat().st_size for f in files),
+                path=path,
+                preload=not several or name in preload or "all" in preload,
+            )
+        )
+    unknown = preload - {m.name for m in served} - {"all"}
+    if unknown:
+        names = ", ".join(m.name for m in served)
+        raise ValueError(f"--preload: {', '.join(sorted(unknown))} not served (served: {names})")
+    for flag, value in (
+        ("--max-loaded-models", args.max_loaded_models),
+        ("--max-loaded-bytes", args.max_loaded_bytes),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1")
+    return ModelRegistry(
+        served,
+        max_loaded_models=args.max_loaded_models,
+        max_loaded_bytes=args.max_loaded_bytes,
+        load_timeout=engine_config.queue.queue_timeout,
     )
 
 
@@ -211,7 +329,6 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
-    from kvserve.engine.embedding import build_engine
     from kvserve.server.app import Server, create_app
 
     failed: list[BaseException] = []
@@ -225,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
         return f"http://{host}:{port or server_config.port}"
 
     def on_ready(engine: Engine) -> None:
-        name = server_config.served_model_name or engine.loaded.name
+        name = next(m.name for m in registry.models if m.engine is engine)
         print(banner(engine, name, url(), server_config), flush=True)
 
     def on_load_error(error: BaseException) -> None:
@@ -233,19 +350,27 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(
-        server_config,
-        lambda observer: build_engine(engine_config, observer),
-        on_ready=on_ready,
-        on_load_error=on_load_error,
-    )
+    try:
+        registry = build_registry(args, engine_config, server_config)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvserve serve: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(server_config, registry, on_ready=on_ready, on_load_error=on_load_error)
     server = Server(
         app, host=server_config.host, port=server_config.port, log_level=server_config.log_level
     )
-    log.info(
-        "loading %s; GET /ready answers 200 once it is loaded",
-        engine_config.model or "the default model",
-    )
+    if len(registry.models) == 1:
+        log.info(
+            "loading %s; GET /ready answers 200 once it is loaded",
+            engine_config.model or "the default model",
+        )
+    else:
+        log.info(
+            "serving %d models (%s), each loaded on its first request%s",
+            len(registry.models),
+            ", ".join(m.name for m in registry.models),
+            "".join(f"; loading {m.name} now" for m in registry.models if m.preload),
+        )
     server.run(sockets=[sock])
     if app.state.kvserve.loading:
         # Stopped while the model loads in a thread nothing can interrupt. Finalizing the

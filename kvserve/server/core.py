@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from kvserve.engine.stream import Delta, Stream
 from kvserve.params import SamplingParams
 from kvserve.request import EngineError, GenerationRequest, RequestCancelled
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.models import KEEP, ModelRegistry, ServedModel
 from kvserve.server.protocol import APIError, ModelT, dumps, parse_request, refused_fields
 from kvserve.server.render import Rendering, Timing
 from kvserve.server.sse import ClientGone, DisconnectWatcher, EventStreamResponse
@@ -81,6 +81,14 @@ class Exchange:
     ignored_fields: tuple[str, ...] = ()
     tracked: bool = False  # counted among the requests a drain waits for
     shutting_down: bool = False  # refused with 503 because the server drains
+    model: ServedModel | None = None  # the model it holds until its response ends
+    engine: Engine | None = None  # that model's engine
+    keep_alive: float | None = KEEP  # the keep-alive it asked for (Ollama's), else KEEP
+
+    @property
+    def model_name(self) -> str:
+        """The name of the model that answers it, as the bodies report it."""
+        return (self.model.name if self.model is not None else None) or ""
 
     @property
     def log_id(self) -> str:
@@ -123,29 +131,33 @@ async def in_thread(function: Callable[[], T]) -> T:
 
 
 class ServerState:
-    """Everything the routes share: config, metrics, the engine once it is loaded, and the
-    one generation lifecycle."""
+    """Everything the routes share: config, metrics, the served models (`ModelRegistry`),
+    and the one generation lifecycle."""
 
     def __init__(
         self,
         config: ServerConfig,
-        engine_factory: EngineFactory,
+        models: ModelRegistry | EngineFactory,
         *,
         on_ready: Callable[[Engine], None] | None = None,
         on_load_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.config = config
         self.metrics = ServerMetrics()
-        self.engine: Engine | None = None
+        if not isinstance(models, ModelRegistry):
+            # One model, loaded at start and kept: named as configured, else by its engine.
+            lone = ServedModel(config.served_model_name, models, keep_alive=None, preload=True)
+            models = ModelRegistry([lone])
+        self.models = models
+        models.observe(self.metrics.for_model, self._loaded)
+        for served in models.models:
+            self.metrics.for_model(served).export()
         self.load_error: BaseException | None = None
-        self.model_name: str | None = config.served_model_name
         self.created = int(time.time())
         self.error_shapes: dict[str, ErrorShape] = {}  # by path
         self.error_prefixes: dict[str, ErrorShape] = {}  # by path prefix, where none is exact
-        self._engine_factory = engine_factory
         self._on_ready = on_ready
         self._on_load_error = on_load_error
-        self._loader: threading.Thread | None = None
         self.draining = False
         self.num_in_flight = 0  # API requests accepted whose response has not ended
         # Requests waiting for a slot, by request id: each entry refuses its request if it is
@@ -153,59 +165,47 @@ class ServerState:
         self._queued: dict[str, Callable[[], bool]] = {}
 
     @property
+    def engine(self) -> Engine | None:
+        """The default (first) model's engine, when it is loaded."""
+        return self.models.default.engine
+
+    @property
+    def model_name(self) -> str | None:
+        """The default (first) model's name."""
+        return self.models.default.name
+
+    @property
     def ready(self) -> bool:
-        """The engine runs and the server takes requests (not draining)."""
-        return self.engine is not None and self.engine.running and not self.draining
+        """Every model loaded at start runs, and the server takes requests (not draining)."""
+        if self.draining or self.load_error is not None:
+            return False
+        return all(m.loaded and m.engine.running for m in self.models.models if m.preload)
 
-    async def load(self) -> None:
-        """Build the engine in a daemon thread (the model load takes seconds, and a server
-        stopped meanwhile must not wait for it), then start it on this loop."""
-        loop = asyncio.get_running_loop()
-        built: asyncio.Future[Engine] = loop.create_future()
-
-        def settle(result: Engine | None, error: BaseException | None) -> None:
-            if built.done():
-                return
-            if error is not None:
-                built.set_exception(error)
-            else:
-                built.set_result(result)
-
-        def build() -> None:
-            try:
-                engine, error = self._engine_factory(self.metrics), None
-            except BaseException as exc:  # reported on the loop, whatever it was
-                engine, error = None, exc
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(settle, engine, error)
-
-        self._loader = threading.Thread(target=build, name="kvserve-load", daemon=True)
-        self._loader.start()
-        try:
-            engine = await built
-            await engine.start()
-        except Exception as exc:
-            log.exception("the model could not be loaded")
-            self.load_error = exc
-            if self._on_load_error is not None:
-                self._on_load_error(exc)
-            return
-        self.metrics.bind(engine)
-        if self.model_name is None:
-            self.model_name = engine.loaded.name
-        self.engine = engine
+    def _loaded(self, model: ServedModel, engine: Engine) -> None:
         if self._on_ready is not None:
             self._on_ready(engine)
 
+    async def load(self) -> None:
+        """Load the models marked for start-up (each in a daemon thread: a load takes
+        seconds, and a server stopped meanwhile must not wait for it)."""
+        try:
+            await self.models.preload()
+        except Exception as exc:
+            failed = next((m.load_error for m in self.models.models if m.load_error), None)
+            error = failed or exc
+            log.error("the model could not be loaded: %s", error)
+            self.load_error = error
+            if self._on_load_error is not None:
+                self._on_load_error(error)
+
     @property
     def loading(self) -> bool:
-        """Whether the model is being loaded right now (in its thread)."""
-        return self._loader is not None and self._loader.is_alive()
+        """Whether a model is being loaded right now (in its thread)."""
+        return self.models.loading
 
     async def stop(self) -> None:
-        """End every request (finish reason "shutdown") and stop the engine. Idempotent."""
-        if self.engine is not None:
-            await self.engine.stop()
+        """End every request (finish reason "shutdown") and stop every engine. Idempotent."""
+        await self.models.stop()
 
     # -- draining ------------------------------------------------------------------------------
 
@@ -241,27 +241,48 @@ class ServerState:
             self._queued.pop(request_id, None)
 
     def finished(self, exchange: Exchange) -> None:
-        """The response of `exchange` has ended (called by the middleware for every request)."""
+        """The response of `exchange` has ended (called by the middleware for every request):
+        its model may start its keep-alive."""
         if exchange.tracked:
             exchange.tracked = False
             self.num_in_flight -= 1
+        model, exchange.model = exchange.model, None
+        if model is not None:
+            self.models.release(model, exchange.keep_alive)
 
     def require_engine(self) -> Engine:
-        if self.engine is None:
-            if self.load_error is not None:
-                raise APIError(503, f"the model failed to load: {self.load_error}")
-            raise APIError(503, "the model is still loading; GET /ready answers 200 once loaded")
-        return self.engine
+        """The default model's engine; 503 while it is not loaded."""
+        return self.loaded_engine(self.models.default)
 
-    def check_model(self, name: str | None) -> None:
-        """404 unless `name` is the served model (or, as Ollama tags names, `<it>:latest`)."""
-        if name is not None and name != self.model_name and name != f"{self.model_name}:latest":
+    def loaded_engine(self, model: ServedModel) -> Engine:
+        if model.engine is None:
+            if model.load_error is not None:
+                raise APIError(503, f"the model failed to load: {model.load_error}")
+            if model.status == "loading":
+                raise APIError(
+                    503, "the model is still loading; GET /ready answers 200 once loaded"
+                )
             raise APIError(
-                404,
-                f"the model '{name}' does not exist; this server serves '{self.model_name}'",
-                param="model",
-                code="model_not_found",
+                503, f"the model '{model.name}' is not loaded; a request for it loads it"
             )
+        return model.engine
+
+    def model_for(self, name: str | None) -> ServedModel:
+        """The served model called `name` (the default for None); 404 for another."""
+        return self.models.resolve(name)
+
+    async def use_model(self, exchange: Exchange, name: str | None) -> Engine:
+        """Hold the model the request names until its response ends, loading it first when
+        it is not loaded (within the wait budget)."""
+        model = self.model_for(name)
+        if model.engine is None and self.draining:
+            raise self.shutting_down(exchange)
+        engine = await self.models.acquire(model)
+        exchange.model = model
+        exchange.engine = engine
+        if name and name not in (model.name, f"{model.name}:latest"):
+            raise self.models.not_found(name)  # a lone model, loaded under another name
+        return engine
 
     def accept_extras(
         self, body: BaseModel, exchange: Exchange, policy: FieldPolicy = refused_fields
@@ -284,25 +305,26 @@ class ServerState:
         *,
         generates: bool = True,
     ) -> tuple[Exchange, Engine, ModelT]:
-        """The common start of every API handler: a loaded engine, a valid body for a served
-        model, its harmless unknown fields recorded. A route that `generates` refuses (400) a
-        model that only embeds."""
+        """The common start of every API handler: a valid body, its harmless unknown fields
+        recorded, and the engine of the model it names (loaded first when it is not). A route
+        that `generates` refuses (400) a model that only embeds."""
         exchange = exchange_of(request)
         if not exchange.tracked:  # until its response ends, a drain waits for it
             exchange.tracked = True
             self.num_in_flight += 1
-        engine = self.require_engine()
         body = parse_request(model, await request.body())
-        self.check_model(getattr(body, "model", None))
+        self.accept_extras(body, exchange, policy)
+        # Ollama's older bodies name the model "name".
+        name = getattr(body, "model", None) or getattr(body, "name", None)
+        engine = await self.use_model(exchange, name)
         if generates and not engine.generates:
             raise APIError(
                 400,
-                f"'{self.model_name}' is an embedding model and generates no text; "
+                f"'{exchange.model_name}' is an embedding model and generates no text; "
                 "send it to /v1/embeddings or /api/embed",
                 param="model",
                 code="embedding_model",
             )
-        self.accept_extras(body, exchange, policy)
         return exchange, engine, body
 
     def error_body(self, path: str, error: APIError) -> dict[str, Any]:
@@ -333,7 +355,7 @@ class ServerState:
         `param_names` renames the engine's parameters ("prompt", "max_tokens") to the fields
         this request used, for the errors that name them. `cache_salt` isolates the request's
         tenant in the prefix cache."""
-        engine = self.require_engine()
+        engine = exchange.engine
         self.refuse_if_draining(exchange)
         request_id = exchange.request_id
         exchange.prompt_tokens = len(prompt_ids)

@@ -1,6 +1,7 @@
 """The live view of the engine: `GET /v1/engine/events` (Server-Sent Events) and `GET /dashboard`.
 
-The event stream is `kvserve.engine.events.EngineEvents` served over SSE: a snapshot on connect,
+The event stream is one served model's `kvserve.engine.events.EngineEvents` (`?model=NAME`,
+default the first) served over SSE: a snapshot on connect,
 then at most ten coalesced updates a second. It is protected by `--api-key` like every `/v1/*`
 route. A viewer that stops reading is dropped by the engine side (its buffer is bounded) and its
 connection is then cut here.
@@ -39,14 +40,18 @@ def dashboard_html() -> str:
     return inline_components(template)
 
 
-def register(app: FastAPI, state: ServerState, events: EngineEvents) -> None:
+def register(app: FastAPI, state: ServerState) -> None:
     """Add the event stream and the page to `app`."""
 
     # Out of the API's description: a stream that never ends is nothing to fuzz, and the page
     # is not an API. Their HTTP counters are labelled "other".
     @app.get(EVENTS_PATH, include_in_schema=False)
-    async def engine_events(request: Request) -> Response:
-        engine = state.require_engine()
+    async def engine_events(request: Request, model: str | None = None) -> Response:
+        # `?model=NAME` picks a served model (default: the first). Watching does not load a
+        # model nor keep it loaded; when it unloads, its viewers' streams end.
+        served = state.model_for(model)
+        engine = state.loaded_engine(served)
+        events = served.events
         events.bind(engine)
         exchange = exchange_of(request)
         viewer = events.connect()

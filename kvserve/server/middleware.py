@@ -202,6 +202,7 @@ class Gatekeeper:
         return replay, None
 
     def _finish(self, exchange: Exchange) -> None:
+        model_name = exchange.model_name or self.state.model_name or ""
         self.state.finished(exchange)
         status = exchange.status if exchange.status is not None else 499
         exchange.status = status
@@ -212,6 +213,7 @@ class Gatekeeper:
             status,
             client_gone=exchange.finish_reason != "slow_consumer",
             shutting_down=exchange.shutting_down and status == 503,
+            model_name=model_name,
         )
         duration = time.monotonic() - exchange.started
         level = logging.WARNING if status >= 500 and not exchange.shutting_down else logging.INFO

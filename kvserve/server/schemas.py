@@ -165,7 +165,12 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     root: str
-    max_model_len: int
+    max_model_len: int | None = None  # while loaded
+    status: Literal["unloaded", "loading", "loaded", "unloading", "failed"]
+    loads: int  # how many times it was loaded since the server started
+    expires_at: int | None = None  # while loaded: when it unloads (Unix time); None: never
+    memory_bytes: int | None = None  # while loaded: its weights and KV pool
+    error: str | None = None  # why its last load failed
 
 
 class ModelList(BaseModel):

@@ -228,15 +228,24 @@ def access_log() -> Iterator[AccessLog]:
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 
 
-def scrape(server) -> dict[str, float]:
-    """`GET /metrics` as {'name{labels}': value}."""
+_MODEL_LABEL = re.compile(r'model_name="(?:[^"\\]|\\.)*",?')
+
+
+def scrape(server, *, by_model: bool = False) -> dict[str, float]:
+    """`GET /metrics` as {'name{labels}': value}: summed over the served models (their
+    `model_name` label left out) unless `by_model`."""
     response = httpx.get(server.url + "/metrics", timeout=10)
     response.raise_for_status()
-    samples = {}
+    samples: dict[str, float] = {}
     for line in response.text.splitlines():
         match = _SAMPLE.match(line)
         if match:
-            samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+            labels = match.group(2) or ""
+            if not by_model:
+                labels = _MODEL_LABEL.sub("", labels).replace(",}", "}")
+                labels = "" if labels == "{}" else labels
+            key = match.group(1) + labels
+            samples[key] = samples.get(key, 0.0) + float(match.group(3))
     return samples
 
 

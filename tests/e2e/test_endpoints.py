@@ -38,19 +38,30 @@ def test_ready_is_503_until_the_model_is_loaded(loaded_default, engine_config):
         ready = httpx.get(server.url + "/ready")
         assert ready.status_code == 503
         assert ready.json()["status"] == "loading"
-        for response in (
-            httpx.get(server.url + "/v1/models"),
-            httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}),
-        ):
-            assert response.status_code == 503
-            assert response.json()["error"]["type"] == "server_error"
+        # The lone model is named by its file once loaded: nothing to list yet.
+        listing = httpx.get(server.url + "/v1/models")
+        assert listing.status_code == 503
+        assert listing.json()["error"]["type"] == "server_error"
+        # A request during the load waits for it (within the wait budget), then is answered.
+        early: list[httpx.Response] = []
+        waiter = threading.Thread(
+            target=lambda: early.append(
+                httpx.post(
+                    server.url + "/v1/completions",
+                    json={"prompt": "Hi", "max_tokens": 1},
+                    timeout=60,
+                )
+            )
+        )
+        waiter.start()
+        waiter.join(0.5)
+        assert not early  # still waiting for the load
         release.set()
+        waiter.join(60)
+        assert early[0].status_code == 200
         server.wait_ready()
         assert httpx.get(server.url + "/ready").status_code == 200
-        reply = httpx.post(
-            server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60
-        )
-        assert reply.status_code == 200
+        assert httpx.get(server.url + "/v1/models").json()["data"][0]["status"] == "loaded"
 
 
 def test_a_model_that_fails_to_load_keeps_ready_503():

@@ -116,8 +116,8 @@ def test_a_drain_refuses_waiting_requests_and_new_ones():
 def test_a_drains_503_is_a_rejection_not_a_server_error():
     metrics = ServerMetrics()
     metrics.embedding_endpoints = frozenset({"/v1/embeddings"})
-    metrics.observe_http("/v1/chat/completions", 503, shutting_down=True)
-    metrics.observe_http("/v1/embeddings", 503, shutting_down=True)
+    metrics.observe_http("/v1/chat/completions", 503, shutting_down=True, model_name="m")
+    metrics.observe_http("/v1/embeddings", 503, shutting_down=True, model_name="m")
     metrics.observe_http("/v1/chat/completions", 503)
     text, _ = metrics.render()
     samples = {
@@ -125,7 +125,7 @@ def test_a_drains_503_is_a_rejection_not_a_server_error():
         for family in text_string_to_metric_families(text.decode())
         for sample in family.samples
     }
-    reason = (("reason", "shutting_down"),)
+    reason = (("model_name", "m"), ("reason", "shutting_down"))
     assert samples[("kvserve:request_rejections_total", reason)] == 1
     assert samples[("kvserve:embedding_rejections_total", reason)] == 1
     endpoint = (("endpoint", "/v1/chat/completions"),)

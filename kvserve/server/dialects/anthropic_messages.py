@@ -497,7 +497,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         params = sampling_params(body, engine.model_config.vocab_size, plan)
         prompt_ids = await _prompt_ids(engine, body, plan)
         rendering = MessagesRendering(
-            f"msg_{exchange.request_id}", state.model_name or "", len(prompt_ids), plan=plan
+            f"msg_{exchange.request_id}", exchange.model_name, len(prompt_ids), plan=plan
         )
         return await state.generate(
             request,

@@ -227,7 +227,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             {
                 "object": "list",
                 "data": data,
-                "model": state.model_name,
+                "model": exchange.model_name,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             }
         )
@@ -240,7 +240,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         exchange, engine, body = await state.accept(
             request, OllamaEmbedRequest, ollama._refused, generates=False
         )
-        ollama.check_keep_alive(body.keep_alive)
+        ollama.check_keep_alive(body.keep_alive, exchange)
         _check_dimensions(body.dimensions, engine.embedder.dimensions)
         limit = _num_ctx(state, exchange, body.options, engine.max_model_len)
         raw = body.input
@@ -281,7 +281,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         exchange, engine, body = await state.accept(
             request, OllamaEmbeddingsRequest, ollama._refused, generates=False
         )
-        ollama.check_keep_alive(body.keep_alive)
+        ollama.check_keep_alive(body.keep_alive, exchange)
         limit = _num_ctx(state, exchange, body.options, engine.max_model_len)
         if not body.prompt:
             return json_response({"embedding": []})

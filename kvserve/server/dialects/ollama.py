@@ -15,14 +15,16 @@ they would change the answer. `format` is `"json"` or a JSON schema, enforced by
 output; `tools` are OpenAI-shaped and calls come back in `message.tool_calls` with their
 arguments as an object. Ollama has no tool choice: `tool_choice` (OpenAI's values, at the top
 level or, for clients that cannot add fields, in `options`) is kvserve's extension, and forces
-a call as it does on /v1/chat/completions. `keep_alive` is accepted everywhere (the model stays
-loaded while the server runs). `images` are refused: the model has no vision. `suffix`,
+a call as it does on /v1/chat/completions. `keep_alive` is honoured everywhere: how long the model stays
+loaded after the request (`kvserve.server.models`; negative: until the server stops). `images` are refused: the model has no vision. `suffix`,
 `template`, `context` and thinking are refused by name; `system` and `raw` are applied.
 
 Streamed answers are NDJSON (`application/x-ndjson`): one object per line, the last with
 `done: true`, `done_reason`, `prompt_eval_count`, `eval_count` and the durations in
-nanoseconds. A request with no messages (chat) or no prompt (generate) loads nothing and
-answers at once with `done_reason: "load"`, as Ollama does.
+nanoseconds. A request with no messages (chat) or no prompt (generate) only loads the model
+and answers `done_reason: "load"`, or with `keep_alive: 0` unloads it after the answer
+(`"unload"`), as Ollama does. `/api/tags` lists every served model, `/api/ps` the loaded ones
+with when each unloads.
 
 Errors are `{"error": "..."}`: 400 for bad input, 404 for an unknown model. A full queue or an
 expired wait is 429 with Retry-After (Ollama answers 503 "server busy"): one HTTP mapping per
@@ -41,6 +43,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -52,6 +55,7 @@ from kvserve.params import SamplingParams, StructuredOutput
 from kvserve.server import schemas
 from kvserve.server.core import Exchange, ServerState, exchange_of, in_thread, json_response
 from kvserve.server.dialects.function_tools import encode_conversation, parse_arguments
+from kvserve.server.models import ServedModel, parse_keep_alive
 from kvserve.server.protocol import APIError, _Model, parse_request, validated_sampling_params
 from kvserve.server.render import (
     BodyRenderer,
@@ -333,13 +337,23 @@ def _record_ignored(state: ServerState, exchange: Exchange, names: list[str]) ->
 _DURATION = re.compile(r"^-?(\d+(\.\d*)?(ns|us|µs|ms|s|m|h))+$|^-?\d+(\.\d*)?$")
 
 
-def check_keep_alive(value: Any) -> None:
-    """`keep_alive` is a duration ("5m", "1h30m", "-1"), a number of seconds, or absent; the
-    model stays loaded whatever it says, so only its form is checked."""
+def check_keep_alive(value: Any, exchange: Exchange | None = None) -> None:
+    """`keep_alive` is a duration ("5m", "1h30m", "-1"), a number of seconds, or absent: how
+    long the model stays loaded after this request (negative: until the server stops; 0:
+    unloaded right after). It is the exchange's, given back with the model when it ends."""
+    if value is None or value == "":
+        return
+    bad = APIError(
+        400, f"'keep_alive': {value!r} is not a duration such as '5m'", param="keep_alive"
+    )
     if isinstance(value, str) and not _DURATION.match(value.strip()):
-        raise APIError(
-            400, f"'keep_alive': {value!r} is not a duration such as '5m'", param="keep_alive"
-        )
+        raise bad
+    try:
+        seconds = parse_keep_alive(value)
+    except (ValueError, OverflowError):
+        raise bad from None
+    if exchange is not None:
+        exchange.keep_alive = seconds
 
 
 def _format(value: Any) -> StructuredOutput | None:
@@ -353,10 +367,10 @@ def _format(value: Any) -> StructuredOutput | None:
     raise APIError(400, "'format' must be \"json\" or a JSON schema object", param="format")
 
 
-def _common_checks(body: _Request, max_model_len: int) -> OllamaOptions:
+def _common_checks(body: _Request, max_model_len: int, exchange: Exchange) -> OllamaOptions:
     """What every generating request is checked for before any work: options, format,
     keep_alive and thinking."""
-    check_keep_alive(body.keep_alive)
+    check_keep_alive(body.keep_alive, exchange)
     if body.think not in (None, False):
         raise APIError(400, "'think': this model does not support thinking", param="think")
     options = OllamaOptions(body.options)
@@ -594,14 +608,15 @@ def ollama_rendering(
     return Rendering(plan, stream=lambda: build(OllamaStream), whole=lambda: build(OllamaBody))
 
 
-def _loaded_answer(model: str, *, chat: bool, stream: bool) -> Response:
-    """The answer to a request with nothing to generate: the model is loaded (it always is)."""
-    value: dict[str, Any] = {"model": model, "created_at": created_at()}
+def _loaded_answer(exchange: Exchange, *, chat: bool, stream: bool) -> Response:
+    """The answer to a request with nothing to generate: the model is loaded now, or, with
+    `keep_alive` 0, unloaded once this answer is out (Ollama's way to load and unload)."""
+    value: dict[str, Any] = {"model": exchange.model_name, "created_at": created_at()}
     if chat:
         value["message"] = {"role": "assistant", "content": ""}
     else:
         value["response"] = ""
-    value.update(done=True, done_reason="load")
+    value.update(done=True, done_reason="unload" if exchange.keep_alive == 0 else "load")
     if stream:
         return Response(_line(value), media_type=NDJSON)
     return json_response(value)
@@ -642,10 +657,9 @@ def _details(engine: Any) -> dict[str, Any]:
     }
 
 
-def _file_facts(engine: Any) -> tuple[int, str, str]:
+def _file_facts(path: Path) -> tuple[int, str, str]:
     """(bytes on disk, a digest, modified at) of the model's files. The digest is of the
     path, size and time, not of the contents: hashing gigabytes per listing would be slow."""
-    path = engine.loaded.path
     files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
     size = sum(f.stat().st_size for f in files)
     mtime = max((f.stat().st_mtime for f in files), default=0.0)
@@ -658,17 +672,32 @@ def listed_name(name: str) -> str:
     return name if ":" in name else f"{name}:latest"
 
 
-def model_entry(state: ServerState, engine: Any) -> dict[str, Any]:
-    """The served model as `/api/tags` lists it."""
-    size, digest, modified = _file_facts(engine)
-    name = listed_name(state.model_name or engine.loaded.name)
+def model_entry(model: ServedModel) -> dict[str, Any]:
+    """A served model as `/api/tags` lists it, loaded or not (blocking: it reads the disk)."""
+    engine = model.engine
+    path = engine.loaded.path if engine is not None else Path(model.path)
+    size, digest, modified = _file_facts(path)
+    name = listed_name(model.name or engine.loaded.name)
+    details = _details(engine) if engine is not None else _file_details(path)
     return {
         "name": name,
         "model": name,
         "modified_at": modified,
         "size": size,
         "digest": digest,
-        "details": _details(engine),
+        "details": details,
+    }
+
+
+def _file_details(path: Path) -> dict[str, Any]:
+    """What a model not loaded shows of itself without reading its weights."""
+    return {
+        "parent_model": "",
+        "format": "gguf" if path.suffix == ".gguf" else "safetensors",
+        "family": "",
+        "families": [],
+        "parameter_size": "",
+        "quantization_level": "",
     }
 
 
@@ -824,35 +853,46 @@ def register(app: FastAPI, state: ServerState) -> None:
         "/api/tags", responses={200: schemas.json_response(schemas.OllamaModels), **read_errors}
     )
     async def tags() -> Response:
-        engine = state.require_engine()
-        entry = await in_thread(lambda: model_entry(state, engine))
-        return json_response({"models": [entry]})
+        # Every served model, loaded or not (a lone model not loaded yet has no name).
+        listed = [m for m in state.models.models if m.engine is not None or m.path is not None]
+        if not listed:
+            state.require_engine()  # 503 while the lone model loads
+        entries = await in_thread(lambda: [model_entry(m) for m in listed])
+        return json_response({"models": entries})
 
     @app.get("/api/ps", responses={200: schemas.json_response(schemas.OllamaModels), **read_errors})
     async def ps() -> Response:
-        engine = state.require_engine()
-        entry = await in_thread(lambda: model_entry(state, engine))
-        del entry["modified_at"]
-        # Loaded while the server runs: "never expires" as Ollama writes it for keep_alive -1.
+        # The loaded models, with when each unloads ("never" as Ollama writes keep_alive -1).
+        loaded = [m for m in state.models.models if m.loaded]
+        entries = await in_thread(lambda: [model_entry(m) for m in loaded])
         forever = datetime.now(UTC) + timedelta(microseconds=(2**63 - 1) // 1000)
-        on_gpu = engine.loaded.device.type == "cuda"
-        entry.update(
-            expires_at=forever.isoformat(),
-            size_vram=engine.loaded.model.num_bytes if on_gpu else 0,
-            context_length=engine.max_model_len,
-        )
-        return json_response({"models": [entry]})
+        for model, entry in zip(loaded, entries, strict=True):
+            del entry["modified_at"]
+            engine = model.engine
+            if engine is None:  # unloaded meanwhile
+                continue
+            on_gpu = engine.loaded.device.type == "cuda"
+            expires = (
+                forever
+                if model.expires_at is None
+                else datetime.fromtimestamp(model.expires_at, UTC)
+            )
+            entry.update(
+                size=model.num_bytes,
+                expires_at=expires.isoformat(),
+                size_vram=model.num_bytes if on_gpu else 0,
+                context_length=engine.max_model_len,
+            )
+        return json_response({"models": entries})
 
     @app.post("/api/show", responses={200: schemas.json_response(schemas.OllamaShow), **errors})
     async def show(request: Request) -> Response:
         _, engine, body = await state.accept(request, ShowRequest, _refused, generates=False)
-        name = body.model or body.name
-        if not name:
+        if not (body.model or body.name):
             raise APIError(400, "'model' is a required field", param="model")
-        state.check_model(name)
         template = getattr(engine.tokenizer, "chat_template", None) or ""
         parameters = "\n".join(f"{key:<16}{value}" for key, value in _DEFAULTS.items())
-        _, _, modified = await in_thread(lambda: _file_facts(engine))
+        _, _, modified = await in_thread(lambda: _file_facts(engine.loaded.path))
         return json_response(
             {
                 "license": "",
@@ -889,12 +929,12 @@ def register(app: FastAPI, state: ServerState) -> None:
     )
     async def chat(request: Request) -> Response:
         exchange, engine, body = await state.accept(request, ChatRequest, _refused)
-        options = _common_checks(body, engine.max_model_len)
+        options = _common_checks(body, engine.max_model_len, exchange)
         _record_ignored(state, exchange, options.ignored)
         stream = body.stream is not False
         messages = conversation(body.messages)
         if not messages:
-            return _loaded_answer(state.model_name or "", chat=True, stream=stream)
+            return _loaded_answer(exchange, chat=True, stream=stream)
         tool_choice = body.tool_choice
         if options.tool_choice is not None:
             if tool_choice is not None and tool_choice != options.tool_choice:
@@ -941,7 +981,7 @@ def register(app: FastAPI, state: ServerState) -> None:
     )
     async def generate(request: Request) -> Response:
         exchange, engine, body = await state.accept(request, GenerateRequest, _refused)
-        options = _common_checks(body, engine.max_model_len)
+        options = _common_checks(body, engine.max_model_len, exchange)
         _record_ignored(state, exchange, options.ignored)
         _no_images(body.images, "images")
         if body.suffix:
@@ -969,7 +1009,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             )
         stream = body.stream is not False
         if not body.prompt:
-            return _loaded_answer(state.model_name or "", chat=False, stream=stream)
+            return _loaded_answer(exchange, chat=False, stream=stream)
         constraint = _format(body.format)
         tokenizer = engine.tokenizer
         prompt = body.prompt
@@ -1022,7 +1062,7 @@ async def _generate(
         ignore_eos=bool(body.ignore_eos),
     )
     rendering = ollama_rendering(
-        state.model_name or "",
+        exchange.model_name,
         chat=chat,
         token_bytes=engine.tokenizer.token_bytes,
         logprobs=bool(body.logprobs),

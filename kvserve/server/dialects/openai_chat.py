@@ -257,7 +257,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "'n' above 1 is not supported with 'tools'", param="n")
         rendering = chat_rendering(
             f"chatcmpl-{exchange.request_id}",
-            state.model_name or "",
+            exchange.model_name,
             tokenizer.token_bytes,
             logprobs=bool(body.logprobs),
             include_usage=body.include_usage,

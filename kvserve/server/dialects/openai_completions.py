@@ -217,7 +217,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                 echo_text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
         rendering = completion_rendering(
             f"cmpl-{exchange.request_id}",
-            state.model_name or "",
+            exchange.model_name,
             tokenizer.token_bytes,
             logprobs=body.logprobs is not None,
             include_usage=body.include_usage,

@@ -513,7 +513,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             "parallel_tool_calls": body.parallel_tool_calls is not False,
         }
         rendering = ResponsesRendering(
-            f"resp_{exchange.request_id}", state.model_name or "", settings, plan=plan
+            f"resp_{exchange.request_id}", exchange.model_name, settings, plan=plan
         )
         return await state.generate(
             request,
