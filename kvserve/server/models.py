@@ -322,6 +322,8 @@ class ModelRegistry:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         if model.name is None:
             model.name = engine.loaded.name
+        if model.path is None:
+            model.path = getattr(engine.loaded, "path", None)
         model.engine = engine
         model.status = "loaded"
         model.num_loads += 1
