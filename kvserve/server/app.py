@@ -71,8 +71,16 @@ _DIALECTS = (
     tokenize,
 )
 
+MODEL_PATH = "/v1/models/{model_id}"
+"""One model's card; counted under this label whatever the id."""
+
 ENDPOINTS = frozenset(
-    {"/v1/models", *OPEN_PATHS, *(path for dialect in _DIALECTS for path in dialect.PATHS)}
+    {
+        "/v1/models",
+        MODEL_PATH,
+        *OPEN_PATHS,
+        *(path for dialect in _DIALECTS for path in dialect.PATHS),
+    }
 )
 """Every route; other paths are counted under the endpoint label "other"."""
 
@@ -187,7 +195,7 @@ def create_app(
         return json_response({"object": "list", "data": [model_card(m) for m in served]})
 
     @app.get(
-        "/v1/models/{model_id:path}",
+        MODEL_PATH.replace("}", ":path}"),
         responses={200: schemas.json_response(schemas.ModelCard), **errors(401, 404, 503)},
     )
     async def model(model_id: str) -> Response:

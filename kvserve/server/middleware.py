@@ -207,6 +207,8 @@ class Gatekeeper:
         status = exchange.status if exchange.status is not None else 499
         exchange.status = status
         endpoint = exchange.path if exchange.path in self.endpoints else "other"
+        if endpoint == "other" and exchange.path.startswith("/v1/models/"):
+            endpoint = "/v1/models/{model_id}"  # one label for every id
         # A client dropped for reading too slowly is counted once, as slow_consumer.
         self.state.metrics.observe_http(
             endpoint,

@@ -6,6 +6,7 @@ an unload, and a real process whose memory drops when its model unloads."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import openai
 import pytest
 
 from kvserve.config import ServerConfig
+from kvserve.engine.events import engine_settings
 from kvserve.server.models import ModelRegistry, ServedModel
 from tests.e2e.conftest import CHAT, StepGate, small_engine_config
 from tests.e2e.harness import BackgroundServer, free_port
@@ -116,6 +118,17 @@ def test_two_models_answer_side_by_side_as_each_does_alone(loaded_fp32, loaded_m
         assert samples[f'kvserve:generation_tokens_total{{model_name="{GENERATOR}"}}'] > 0
         assert samples[f'kvserve:generation_tokens_total{{model_name="{EMBEDDER}"}}'] == 0
         assert samples[f'kvserve:embedding_inputs_total{{model_name="{EMBEDDER}"}}'] == 9
+        # The event stream shows one model: its own engine's settings.
+        for name in (GENERATOR, EMBEDDER):
+            url = f"{server.url}/v1/engine/events?model={name}"
+            with httpx.stream("GET", url, timeout=10) as events:
+                first = next(line for line in events.iter_lines() if line.startswith("data:"))
+            snapshot = json.loads(first.removeprefix("data:"))
+            assert snapshot["type"] == "snapshot"
+            engine = server.state.models.find(name).engine
+            assert snapshot["config"] == json.loads(json.dumps(engine_settings(engine)))
+            assert snapshot["config"]["max_num_seqs"] == (4 if name == GENERATOR else 0)
+        assert httpx.get(server.url + "/v1/engine/events?model=other").status_code == 404
         # A model the server does not serve is a 404 naming those it does.
         with pytest.raises(openai.NotFoundError) as caught:
             client.chat.completions.create(model="other", messages=CHAT, max_tokens=2)

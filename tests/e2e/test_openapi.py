@@ -78,6 +78,7 @@ ROUTES = [
     ("GET", "/ready"),
     ("GET", "/metrics"),
     ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model_id}"),
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("POST", "/tokenize"),
