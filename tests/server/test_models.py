@@ -215,3 +215,51 @@ def test_a_negative_keep_alive_is_forever(value):
 def test_bad_keep_alives_are_refused(value):
     with pytest.raises(ValueError):
         parse_keep_alive(value)
+
+
+def _registry(*argv: str):
+    import argparse
+
+    from kvserve.cli import engine_config_from_args
+    from kvserve.server.cli import add_arguments, build_registry, server_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    return build_registry(args, engine_config_from_args(args), server_config_from_args(args))
+
+
+def test_the_serve_flags_name_each_model_and_set_its_keep_alive_and_preload(minilm_dir):
+    lone = _registry()
+    assert [m.name for m in lone.models] == ["SmolLM2-135M-Instruct"]
+    assert lone.default.preload and lone.default.keep_alive is None  # loaded at start, kept
+    several = _registry("default", str(minilm_dir), "--preload", "all-MiniLM-L6-v2")
+    assert several.names == ["SmolLM2-135M-Instruct", "all-MiniLM-L6-v2"]
+    assert [m.preload for m in several.models] == [False, True]
+    assert {m.keep_alive for m in several.models} == {300.0}
+    assert several.models[1].num_bytes > 80 * 2**20  # its files, until it has loaded
+    budget = _registry(
+        "default", str(minilm_dir), "--keep-alive", "-1", "--max-loaded-models", "1",
+        "--max-loaded-bytes", "1GiB",
+    )  # fmt: skip
+    assert budget.default.keep_alive is None
+    assert (budget.max_loaded_models, budget.max_loaded_bytes) == (1, 2**30)
+    from_dir = _registry("--models-dir", str(minilm_dir.parent))
+    assert from_dir.names == ["all-MiniLM-L6-v2"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("default", "MINILM", "--preload", "nope"), "--preload: nope not served"),
+        (("default", "MINILM", "--served-model-name", "x"), "names one model"),
+        (("default", "MINILM", "--keep-alive", "soon"), "--keep-alive"),
+        (("default", "default"), "same name"),
+        (("--models-dir", "/nonexistent"), "not a directory"),
+        (("default", "--max-loaded-models", "0"), "at least 1"),
+    ],
+)
+def test_bad_serve_flags_for_several_models_are_refused(argv, message, minilm_dir):
+    argv = tuple(str(minilm_dir) if a == "MINILM" else a for a in argv)
+    with pytest.raises(ValueError, match=message):
+        _registry(*argv)
