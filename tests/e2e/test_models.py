@@ -15,6 +15,7 @@ import threading
 import time
 
 import httpx
+import ollama
 import openai
 import pytest
 
@@ -253,10 +254,10 @@ def test_the_budget_evicts_the_least_recently_used_idle_model(loaded_default, lo
         assert httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).is_success
         assert httpx.post(server.url + "/v1/embeddings", json=embed, timeout=60).is_success
         assert card(server, GENERATOR)["status"] == "unloaded"
-        ps = httpx.get(server.url + "/api/ps").json()["models"]
-        assert [m["name"] for m in ps] == [f"{EMBEDDER}:latest"]
-        tags = httpx.get(server.url + "/api/tags").json()["models"]
-        assert {m["name"] for m in tags} == {f"{GENERATOR}:latest", f"{EMBEDDER}:latest"}
+        client = ollama.Client(host=server.url, timeout=60)
+        assert [m.model for m in client.ps().models] == [f"{EMBEDDER}:latest"]
+        listed = {m.model for m in client.list().models}
+        assert listed == {f"{GENERATOR}:latest", f"{EMBEDDER}:latest"}
         # While the generator streams, nothing can make room for the embedder: 503.
         with httpx.stream(
             "POST", server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60
