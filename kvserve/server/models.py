@@ -298,6 +298,8 @@ class ModelRegistry:
                     self.release(model)
 
     async def _load_model(self, model: ServedModel) -> Engine:
+        while model.status == "unloading":  # its previous engine is still stopping
+            await asyncio.sleep(0.01)
         async with self._room:
             await self._make_room(model)
             model.status = "loading"

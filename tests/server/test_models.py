@@ -263,3 +263,32 @@ def test_bad_serve_flags_for_several_models_are_refused(argv, message, minilm_di
     argv = tuple(str(minilm_dir) if a == "MINILM" else a for a in argv)
     with pytest.raises(ValueError, match=message):
         _registry(*argv)
+
+
+def test_a_request_during_an_unload_waits_for_it_then_loads_again():
+    class SlowStop(FakeEngine):
+        async def stop(self) -> None:
+            await asyncio.sleep(0.1)
+            await super().stop()
+
+    async def scenario():
+        builds: list[FakeEngine] = []
+
+        def factory(observer):
+            builds.append(SlowStop("a", 100))
+            return builds[-1]
+
+        model = served("a", factory)
+        registry = ModelRegistry([model])
+        await registry.acquire(model)
+        registry.release(model)
+        unloading = asyncio.create_task(registry.unload(model))
+        await asyncio.sleep(0.02)
+        assert model.status == "unloading"
+        engine = await registry.acquire(model)
+        assert await unloading
+        assert builds[0].stopped and engine is builds[1] and model.status == "loaded"
+        registry.release(model)
+        await registry.stop()
+
+    run(scenario())
