@@ -1,9 +1,12 @@
-"""The Ray Serve application: N `KVServeReplica`s behind one `KVServeIngress`.
+"""The Ray Serve application: for each model a deployment of `KVServeReplica`s (the first
+model's is `KVServeReplica`, the second's `KVServeReplica_1`, ...), all behind one
+`KVServeIngress`.
 
-Each replica runs a whole kvserve server (engine and HTTP app, exactly as `kvserve serve` runs
-them) on a port of its own on its node, and announces itself to the ingress about twice a
-second with its running and waiting counts. Ray Serve places the replicas (CPUs or GPUs each),
-checks their health (an engine that stopped fails it) and restarts the ones that die.
+Each replica runs a whole kvserve server for one model (engine and HTTP app, exactly as
+`kvserve serve MODEL` runs them) on a port of its own on its node, and announces itself to the
+ingress about twice a second with its model and its running and waiting counts. Ray Serve
+places the replicas (CPUs or GPUs each), checks their health (an engine that stopped fails it)
+and restarts the ones that die.
 
 The ingress deployment runs the prefix-routing proxy (`kvserve.cluster.ingress`) on the
 cluster's public address. Ray Serve's own HTTP proxy is not used: every byte goes client ->
@@ -88,7 +91,7 @@ class KVServeReplica:
             "replica_id": self.replica_id,
             "url": self.url,
             "actor_name": self.actor_name,
-            "model": self.state.model_name if self.state.ready else "",
+            "model": self.state.model_name or "",
             "running": running,
             "waiting": waiting,
             "ready": bool(self.state.ready and self.server.alive),
@@ -140,7 +143,8 @@ class KVServeIngress:
     ) -> None:
         import uvicorn
 
-        from kvserve.cluster.ingress import Ingress
+        from kvserve.cluster.cli import cluster_models, served_names
+        from kvserve.cluster.ingress import Ingress, ServedModel
         from kvserve.cluster.prompt import PromptHasher
         from kvserve.cluster.router import PrefixRouter
         from kvserve.cluster.serving import ThreadedServer, serve_namespace
@@ -150,12 +154,16 @@ class KVServeIngress:
         # Bound so that Serve deploys the replicas with the ingress; they are reached by HTTP.
         self._replicas = replicas
         args = serve_namespace(serve_args)
-        path = resolve_model_path(args.model)
-        tokenizer = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
+        models = cluster_models(serve_args)
+        served = []
+        # Each model's prompts are hashed by its own tokenizer, into its own router.
+        for model, name in zip(models, served_names(models, args.served_model_name), strict=True):
+            path = resolve_model_path(model)
+            tokenizer = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
+            hasher = PromptHasher(tokenizer, args.block_size)
+            served.append(ServedModel(name, hasher, PrefixRouter(load_threshold=load_threshold)))
         self.ingress = Ingress(
-            PromptHasher(tokenizer, args.block_size),
-            router=PrefixRouter(load_threshold=load_threshold),
-            max_body_bytes=args.max_body_bytes,
+            served, max_body_bytes=args.max_body_bytes, api_key=args.api_key or None
         )
         config = uvicorn.Config(
             self.ingress.app,
@@ -198,7 +206,12 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     replicas: 2             cpus_per_replica: 1     gpus_per_replica: 0
     host: 127.0.0.1         port: 8000              load_threshold: 4
     serve_args: {threads: 1, max_num_seqs: 8, ...}  # `kvserve serve` settings, by name
+
+    `serve_args.models` (a list) names several models, `serve_args.model` one; `replicas` is
+    each model's count, or a list of counts, one per model.
     """
+    from kvserve.cluster.cli import cluster_models, replica_counts
+
     known = {
         "replicas",
         "cpus_per_replica",
@@ -212,12 +225,21 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     if unknown:
         raise ValueError(f"unknown cluster settings: {', '.join(unknown)}")
     serve_args = dict(args.get("serve_args") or {})
+    models = cluster_models(serve_args)
+    counts = replica_counts(args.get("replicas", 1), len(models))
+    if serve_args.get("served_model_name") and len(models) > 1:
+        raise ValueError("served_model_name names one model; several are served by their names")
     actor_options: dict[str, Any] = {"num_cpus": float(args.get("cpus_per_replica", 1))}
     if args.get("gpus_per_replica"):
         actor_options["num_gpus"] = float(args["gpus_per_replica"])
-    replicas = KVServeReplica.options(
-        num_replicas=int(args.get("replicas", 1)), ray_actor_options=actor_options
-    ).bind(serve_args)
+    replicas = [
+        KVServeReplica.options(
+            name=REPLICA if index == 0 else f"{REPLICA}_{index}",
+            num_replicas=count,
+            ray_actor_options=actor_options,
+        ).bind({**serve_args, "model": model, "models": [model] if model is not None else []})
+        for index, (model, count) in enumerate(zip(models, counts, strict=True))
+    ]
     return KVServeIngress.bind(
         replicas,
         serve_args,

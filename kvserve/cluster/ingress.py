@@ -1,33 +1,45 @@
-"""The ingress: one HTTP endpoint in front of N kvserve replicas, each serving its own port.
+"""The ingress: one HTTP endpoint in front of the replicas of one or more models, each replica
+serving one model on its own port.
 
 Every route is proxied to a replica, byte for byte: the status, the headers and the body, and a
 stream event by event (each chunk read from the replica is sent on as its own body message, so
-nothing is buffered in between). The ingress adds `X-KVServe-Replica`. It answers four routes
+nothing is buffered in between). The ingress adds `X-KVServe-Replica`. It answers these routes
 itself:
 
     GET /health     the ingress is up
-    GET /ready      200 once a replica is ready (503 until then)
-    GET /metrics    every replica's `kvserve:*` samples with a `replica` label, and the ingress's
-    GET /cluster/replicas   the replicas, their addresses and their load, as JSON
+    GET /ready      200 once every model has a ready replica (503 until then)
+    GET /metrics    every replica's `kvserve:*` samples with `replica` and `model` labels, and
+                    the ingress's
+    GET /cluster/replicas   the replicas, their models, addresses and load, as JSON
+    GET /v1/models, /api/tags, /api/ps   one ready replica of each model lists it; the lists
+                    joined, each model once, in the cluster's order
 
-Replicas announce themselves (`register`, about twice a second, with their running and waiting
-counts); one that has not been heard from for `stale_after` seconds, or that refuses a
-connection, is not routed to. Where a request goes is `PrefixRouter`'s choice; a replica that
-answers 429 before streaming is retried on the next one, each replica once, and the client sees
-the 429 (with Retry-After) only when every replica refused. A client that leaves closes the
-replica's connection, so the replica cancels the request (its 499). A replica that fails
-mid-stream ends the stream with the dialect's error event.
+A request goes to the replicas of the model its JSON body names in `model` (a served name, or
+Ollama's `<name>:latest`); a body that names none goes to the first model, as a single server
+treats it. A model the cluster does not serve is a 404 in the route's dialect naming the served
+models, answered here. Within a model's replicas, where it goes is that model's `PrefixRouter`'s
+choice: each model has its own router, hashes and tokenizer, so a prefix remembered for one model
+never sends another model's request anywhere.
+
+Replicas announce themselves (`register`, about twice a second, with their model and their
+running and waiting counts); one that has not been heard from for `stale_after` seconds, or that
+refuses a connection, is not routed to. A replica that answers 429 before streaming is retried on
+the next one of its model, each once, and the client sees the 429 (with Retry-After) only when
+every replica of the model refused. A client that leaves closes the replica's connection, so the
+replica cancels the request (its 499). A replica that fails mid-stream ends the stream with the
+dialect's error event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +55,7 @@ from kvserve.cluster.router import PrefixRouter
 from kvserve.server.protocol import APIError
 from kvserve.server.sse import DONE, ClientGone, DisconnectWatcher, EventStreamResponse, event
 
-__all__ = ["REPLICA_HEADER", "Ingress", "ReplicaInfo", "merge_metrics"]
+__all__ = ["REPLICA_HEADER", "Ingress", "ReplicaInfo", "ServedModel", "Target", "merge_metrics"]
 
 log = logging.getLogger("kvserve.cluster")
 
@@ -91,19 +103,51 @@ class ReplicaInfo:
         }
 
 
+@dataclass
+class ServedModel:
+    """One model of the cluster: the name clients send, how its prompts are hashed (by its own
+    tokenizer; None: routed by load alone) and its own router over its own replicas.
+
+    A router per model keeps each model's block hashes apart: two models that tokenize a prompt
+    alike still hold different KV, and a prefix remembered for one never routes the other."""
+
+    name: str
+    hasher: PromptHasher | None = None
+    router: PrefixRouter = field(default_factory=PrefixRouter)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a request goes: the model it names (None: one the cluster does not serve), the
+    name it sent (None: it named none), its prompt's block hashes for that model."""
+
+    model: ServedModel | None
+    name: str | None = None
+    hashes: tuple[bytes, ...] = ()
+
+
 # ------------------------------------------------------------------------------------------
 # /metrics of several replicas as one exposition
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?( .*)$")
 
 
-def merge_metrics(texts: dict[str, str], label: str = "replica") -> str:
+_MODEL_LABEL = re.compile(r'(?:^|,)\s*model\s*=\s*"')
+
+
+def merge_metrics(
+    texts: dict[str, str], label: str = "replica", models: Mapping[str, str] | None = None
+) -> str:
     """Prometheus text expositions, one per replica, as one: each sample gains
-    `label="<replica>"`, and each family's HELP and TYPE appear once, its samples together."""
+    `label="<replica>"` (and `model="<its model>"` from `models`, unless the sample has a
+    model label of its own), and each family's HELP and TYPE appear once, its samples
+    together."""
     families: dict[str, tuple[list[str], list[str]]] = {}
     for replica_id, text in texts.items():
         current: tuple[list[str], list[str]] | None = None
         quoted = json.dumps(replica_id)  # a Prometheus label value escapes like a JSON string
+        model = (models or {}).get(replica_id)
+        model_label = f"model={json.dumps(model)}" if model else None
         for line in text.splitlines():
             if line.startswith("# HELP ") or line.startswith("# TYPE "):
                 name = line.split(" ", 3)[2]
@@ -117,7 +161,10 @@ def merge_metrics(texts: dict[str, str], label: str = "replica") -> str:
             if current is None:
                 current = families.setdefault(match.group(1), ([], []))
             labels = match.group(2)
-            joined = f"{label}={quoted}" + (f",{labels}" if labels else "")
+            joined = f"{label}={quoted}"
+            if model_label is not None and not (labels and _MODEL_LABEL.search(labels)):
+                joined += f",{model_label}"
+            joined += f",{labels}" if labels else ""
             current[1].append(f"{match.group(1)}{{{joined}}}{match.group(3)}")
     lines: list[str] = []
     for header, samples in families.values():
@@ -129,10 +176,27 @@ def merge_metrics(texts: dict[str, str], label: str = "replica") -> str:
 # Errors in the shape of the route's dialect
 
 
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
 def _error_body(path: str, error: APIError) -> dict[str, Any]:
+    """The body of an error the ingress answers itself, shaped as the route's dialect shapes
+    it: Anthropic's for /v1/messages, Ollama's `{"error": ...}` for /api/, OpenAI's elsewhere."""
+    message = error.message
+    if error.param and error.param not in message:
+        # Neither shape but OpenAI's has a `param`: the message names the field.
+        message = f"'{error.param}': {message}"
     if path.startswith("/v1/messages"):
-        kind = {429: "rate_limit_error", 503: "overloaded_error"}.get(error.status, "api_error")
-        return {"type": "error", "error": {"type": kind, "message": error.message}}
+        kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    if path.startswith("/api/"):
+        return {"error": message}
     return error.body()
 
 
@@ -163,39 +227,64 @@ def _error_event(path: str, error: APIError) -> bytes:
 # The app
 
 
+_LISTINGS = {"/v1/models": "data", "/api/tags": "models", "/api/ps": "models"}
+"""Routes whose answer lists the served models, and the field that holds the list: every
+model's replicas are asked, and the lists joined."""
+
+
+def _served_names(models: Sequence[ServedModel]) -> str:
+    return ", ".join(f"'{model.name}'" for model in models)
+
+
 class Ingress:
     """The ingress app (`self.app`, Starlette) and the replica table it routes over.
 
+    `models` are the cluster's models in its order (the first takes requests that name none).
+    `api_key`, when the replicas require one, is checked before the ingress answers a 404 for
+    an unknown model itself: a request without it goes on to a replica, whose 401 it gets.
     `register` must be called on the app's event loop (the Ray deployment hands it over)."""
 
     def __init__(
         self,
-        hasher: PromptHasher | None,
+        models: Sequence[ServedModel],
         *,
-        router: PrefixRouter | None = None,
         stale_after: float = 10.0,
         connect_timeout: float = 5.0,
         max_body_bytes: int = 8 * 1024 * 1024,
+        api_key: str | None = None,
     ) -> None:
-        self.hasher = hasher
+        if not models:
+            raise ValueError("the ingress needs at least one model")
+        names = [model.name for model in models]
+        doubled = sorted({name for name in names if names.count(name) > 1})
+        if doubled:
+            raise ValueError(f"two models would be served as {', '.join(map(repr, doubled))}")
+        self.models = list(models)
+        self._by_name = {model.name: model for model in self.models}
         self.max_body_bytes = max_body_bytes
-        self.router = router or PrefixRouter()
         self.stale_after = stale_after
+        self._api_key = api_key.encode() if api_key else None
         self.replicas: dict[str, ReplicaInfo] = {}
         self._timeout = httpx.Timeout(None, connect=connect_timeout)
         self._client: httpx.AsyncClient | None = None
         self.registry = CollectorRegistry()
         self.routed = Counter(
             "kvserve:cluster_routed_requests",
-            "Requests the ingress sent to a replica, by replica and why it was chosen "
+            "Requests the ingress sent to a replica, by model, replica and why it was chosen "
             "(prefix: it holds the prompt's first blocks; load: a holder was too busy; "
             "balance: no holder; retry: the choice before it answered 429).",
-            ["replica", "reason"],
+            ["model", "replica", "reason"],
             registry=self.registry,
         )
         self.refused = Counter(
             "kvserve:cluster_overloaded_requests",
-            "Requests answered 429 because every replica refused them.",
+            "Requests answered 429 because every replica of their model refused them.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.unknown_models = Counter(
+            "kvserve:cluster_unknown_model_requests",
+            "Requests answered 404 by the ingress: they named a model the cluster does not serve.",
             registry=self.registry,
         )
         self.replica_failures = Counter(
@@ -222,30 +311,94 @@ class Ingress:
             lifespan=self._lifespan,
         )
 
+    # -- the models --------------------------------------------------------------------------
+
+    def model_named(self, name: str) -> ServedModel | None:
+        """The served model `name` asks for: its served name, or that name as Ollama tags
+        names (`<name>:latest`), as a single server accepts them."""
+        model = self._by_name.get(name)
+        if model is None and name.endswith(":latest"):
+            model = self._by_name.get(name.removesuffix(":latest"))
+        return model
+
+    def target(self, method: str, path: str, body: bytes) -> Target:
+        """The model a request names in its JSON body's `model` (`/api/show` also takes Ollama's
+        older `name`; `/api/pull` names a model to download, not one to route to), and its
+        prompt's block hashes for that model. Blocking (JSON, tokenizing): run in a thread.
+
+        A request that names no model (no body, not JSON, no `model`, or one that is not a
+        string) goes to the first model, whose replica gives the real answer."""
+        first = self.models[0]
+        if method != "POST" or not body:
+            return Target(first)
+        try:
+            request = json.loads(body)
+        except Exception:  # not JSON: the replica answers 400
+            return Target(first)
+        if not isinstance(request, dict):
+            return Target(first)
+        name = None if path == "/api/pull" else request.get("model")
+        if name is None and path == "/api/show":
+            name = request.get("name")
+        if not isinstance(name, str):
+            model, name = first, None
+        else:
+            model = self.model_named(name)
+            if model is None:
+                return Target(None, name)
+        hashes: list[bytes] = []
+        if path in GENERATING_PATHS and model.hasher is not None:
+            hashes = model.hasher.hashes(path, request)
+        return Target(model, name, tuple(hashes))
+
+    def _model_of(self, info: ReplicaInfo) -> ServedModel | None:
+        return self._by_name.get(info.model)
+
+    def _authorized(self, request: Request) -> bool:
+        """The API key the replicas require, as they check it (bearer or x-api-key)."""
+        if self._api_key is None:
+            return True
+        bearer = request.headers.get("authorization", "").encode("latin-1")
+        api_key = request.headers.get("x-api-key", "").encode("latin-1")
+        return hmac.compare_digest(bearer, b"Bearer " + self._api_key) or hmac.compare_digest(
+            api_key, self._api_key
+        )
+
     # -- the replica table -------------------------------------------------------------------
 
     def register(self, info: ReplicaInfo) -> None:
-        """A replica's announcement: its address, readiness and load, now."""
+        """A replica's announcement: its model, address, readiness and load, now."""
         info.seen_at = time.monotonic()
+        model = self._model_of(info)
         if info.replica_id not in self.replicas:
-            log.info("replica %s at %s", info.replica_id, info.url)
+            log.info("replica %s of '%s' at %s", info.replica_id, info.model, info.url)
+            if model is None and info.model:
+                log.warning(
+                    "replica %s serves '%s', not a model of this cluster (%s): not routed to",
+                    info.replica_id,
+                    info.model,
+                    _served_names(self.models),
+                )
         self.replicas[info.replica_id] = info
-        self.router.report(info.replica_id, info.running, info.waiting)
+        if model is not None:
+            model.router.report(info.replica_id, info.running, info.waiting)
 
-    def living(self) -> list[ReplicaInfo]:
-        """Ready replicas heard from lately."""
+    def living(self, model: ServedModel | None = None) -> list[ReplicaInfo]:
+        """Ready replicas of a cluster's model (of `model`, when given) heard from lately."""
         now = time.monotonic()
         for replica_id in [
             r.replica_id for r in self.replicas.values() if now - r.seen_at > self.stale_after
         ]:
             self.drop(replica_id, "silent")
-        return [r for r in self.replicas.values() if r.ready]
+        known = [r for r in self.replicas.values() if r.ready and self._model_of(r) is not None]
+        return known if model is None else [r for r in known if self._model_of(r) is model]
 
     def drop(self, replica_id: str, why: str) -> None:
         """Route nothing more to a replica until it registers again."""
         if self.replicas.pop(replica_id, None) is not None:
             log.warning("replica %s dropped: %s", replica_id, why)
-        self.router.forget(replica_id)
+        for model in self.models:
+            model.router.forget(replica_id)
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -270,21 +423,31 @@ class Ingress:
         return Response('{"status":"ok"}', media_type="application/json")
 
     async def ready(self, request: Request) -> Response:
-        living = self.living()
-        if not living:
-            body = {"status": "loading", "replicas": 0}
-            return Response(json.dumps(body), 503, media_type="application/json")
-        body = {"status": "ready", "model": living[0].model, "replicas": len(living)}
-        return Response(json.dumps(body), media_type="application/json")
+        counts = {model.name: len(self.living(model)) for model in self.models}
+        body: dict[str, Any] = {"model": self.models[0].name, "models": counts}
+        body["replicas"] = sum(counts.values())
+        if not all(counts.values()):
+            return Response(
+                json.dumps({"status": "loading", **body}), 503, media_type="application/json"
+            )
+        return Response(json.dumps({"status": "ready", **body}), media_type="application/json")
 
     async def describe(self, request: Request) -> Response:
         self.living()
-        loads = self.router.loads()
+        loads = {r: load for model in self.models for r, load in model.router.loads().items()}
         body = {
             "replicas": [
                 info.as_json(loads.get(info.replica_id, 0)) for info in self.replicas.values()
             ],
-            "remembered_blocks": self.router.num_remembered,
+            "models": [
+                {
+                    "model": model.name,
+                    "replicas": len(self.living(model)),
+                    "remembered_blocks": model.router.num_remembered,
+                }
+                for model in self.models
+            ],
+            "remembered_blocks": sum(model.router.num_remembered for model in self.models),
         }
         return Response(json.dumps(body), media_type="application/json")
 
@@ -300,10 +463,58 @@ class Ingress:
 
         texts = await asyncio.gather(*(scrape(info) for info in replicas))
         merged = merge_metrics(
-            {info.replica_id: text for info, text in zip(replicas, texts, strict=True)}
+            {info.replica_id: text for info, text in zip(replicas, texts, strict=True)},
+            models={info.replica_id: info.model for info in replicas},
         )
         own = generate_latest(self.registry).decode()
         return Response(merged + own, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def _listing(
+        self, path: str, target: str, headers: list[tuple[bytes, bytes]]
+    ) -> Response:
+        """`/v1/models`, `/api/tags`, `/api/ps`: one ready replica of each model lists its model;
+        the lists joined in the cluster's order, each model once. A model with no ready replica
+        is not listed yet (a single server answers 503 until its model is loaded). A replica's
+        refusal (401 without the key) is the answer."""
+
+        async def ask(model: ServedModel) -> tuple[str, httpx.Response] | None:
+            loads = model.router.loads()
+            for info in sorted(self.living(model), key=lambda r: loads.get(r.replica_id, 0)):
+                try:
+                    answer = await self.client.get(info.url + target, headers=headers, timeout=30)
+                    return info.replica_id, answer
+                except httpx.HTTPError as exc:
+                    self.replica_failures.labels(info.replica_id).inc()
+                    self.drop(info.replica_id, f"failed to list its model: {exc!r}")
+            return None
+
+        answers = [a for a in await asyncio.gather(*map(ask, self.models)) if a is not None]
+        if not answers:
+            return _error_response(path, APIError(503, "no replica is ready yet"))
+        key, listed, seen = _LISTINGS[path], [], set()
+        body: dict[str, Any] | None = None
+        for replica_id, answer in answers:
+            try:
+                own = answer.json() if answer.status_code == 200 else None
+            except ValueError:
+                own = None
+            if not isinstance(own, dict) or not isinstance(own.get(key), list):
+                return Response(
+                    answer.content,
+                    answer.status_code,
+                    headers=self._answer_headers(answer, replica_id),
+                )
+            body = own if body is None else body
+            for entry in own[key]:
+                name = (entry.get("id") or entry.get("name")) if isinstance(entry, dict) else None
+                if name not in seen:
+                    seen.add(name)
+                    listed.append(entry)
+        assert body is not None
+        first_id, first = answers[0]
+        response_headers = self._answer_headers(first, first_id)
+        response_headers[REPLICA_HEADER] = ", ".join(replica_id for replica_id, _ in answers)
+        return Response(json.dumps({**body, key: listed}), 200, headers=response_headers)
 
     # -- the proxy ---------------------------------------------------------------------------
 
@@ -323,20 +534,42 @@ class Ingress:
                 return _error_response(path, error)
             chunks.append(chunk)
         body = b"".join(chunks)
-        hashes: list[bytes] = []
-        if request.method == "POST" and path in GENERATING_PATHS and self.hasher is not None:
-            hashes = await asyncio.to_thread(self.hasher.hashes, path, body)
-        living = self.living()
-        if not living:
-            return _error_response(path, APIError(503, "no replica is ready yet"))
-        by_id = {info.replica_id: info for info in living}
-        decision = self.router.choose(hashes, list(by_id))
+        if request.method == "POST" and body:
+            chosen = await asyncio.to_thread(self.target, request.method, path, body)
+        else:
+            chosen = Target(self.models[0])
+        if chosen.model is None:
+            if self._authorized(request):
+                self.unknown_models.inc()
+                error = APIError(
+                    404,
+                    f"the model '{chosen.name}' does not exist; this cluster serves "
+                    f"{_served_names(self.models)}",
+                    param="model",
+                    code="model_not_found",
+                )
+                return _error_response(path, error)
+            # Whoever has no key learns nothing here: a replica answers its 401.
+            chosen = Target(self.models[0])
+        model, hashes = chosen.model, list(chosen.hashes)
+        assert model is not None
         headers = [
             (name, value)
             for name, value in request.headers.raw
             if name.decode("latin-1").lower() not in _NOT_FORWARDED
         ]
         target = path + (f"?{request.url.query}" if request.url.query else "")
+        if request.method == "GET" and path in _LISTINGS:
+            return await self._listing(path, target, headers)
+        living = self.living(model)
+        if not living:
+            what = "no replica is ready yet"
+            if len(self.models) > 1:
+                what = f"no replica of '{model.name}' is ready yet"
+            return _error_response(path, APIError(503, what))
+        router = model.router
+        by_id = {info.replica_id: info for info in living}
+        decision = router.choose(hashes, list(by_id))
         watcher = DisconnectWatcher(request.receive)
         refused: tuple[httpx.Response, bytes, str] | None = None
         try:
@@ -345,7 +578,7 @@ class Ingress:
                     request.method, by_id[replica_id].url + target, headers=headers, content=body
                 )
                 # In flight from here until its answer ends, however it ends.
-                self.router.started(replica_id)
+                router.started(replica_id)
                 relayed = False
                 try:
                     upstream = await watcher.race(self.client.send(outgoing, stream=True))
@@ -354,11 +587,11 @@ class Ingress:
                         await upstream.aclose()
                         continue
                     reason = decision.reason if attempt == 0 else "retry"
-                    self.routed.labels(replica_id, reason).inc()
+                    self.routed.labels(model.name, replica_id, reason).inc()
                     if upstream.status_code < 400:
-                        self.router.sent(replica_id, hashes)
+                        router.sent(replica_id, hashes)
                     relayed = True
-                    return await self._relay(upstream, replica_id, path, watcher)
+                    return await self._relay(upstream, replica_id, path, watcher, router)
                 except httpx.ConnectError:
                     # Never reached the replica: safe to send elsewhere.
                     self.replica_failures.labels(replica_id).inc()
@@ -371,14 +604,14 @@ class Ingress:
                     return _error_response(path, error, replica_id)
                 finally:
                     if not relayed:
-                        self.router.ended(replica_id)
+                        router.ended(replica_id)
         except ClientGone:
             watcher.stop()
             return Response(status_code=499)
         watcher.stop()
         if refused is not None:
             upstream, content, replica_id = refused
-            self.refused.inc()
+            self.refused.labels(model.name).inc()
             return Response(content, 429, headers=self._answer_headers(upstream, replica_id))
         return _error_response(path, APIError(503, "no replica could be reached"))
 
@@ -393,7 +626,12 @@ class Ingress:
         return headers
 
     async def _relay(
-        self, upstream: httpx.Response, replica_id: str, path: str, watcher: DisconnectWatcher
+        self,
+        upstream: httpx.Response,
+        replica_id: str,
+        path: str,
+        watcher: DisconnectWatcher,
+        router: PrefixRouter,
     ) -> Response:
         """The replica's answer as the client's; the request stops being in flight at the
         replica (`router.ended`) once it is relayed in full, failed, or the client left."""
@@ -404,7 +642,7 @@ class Ingress:
                 # Also when the client left before the first chunk: the generator's own
                 # cleanup never ran then, and the replica must see the connection close.
                 await upstream.aclose()
-                self.router.ended(replica_id)
+                router.ended(replica_id)
 
             return _RelayedStream(
                 self._events(upstream, replica_id, path), watcher, headers=headers, on_end=end
@@ -419,7 +657,7 @@ class Ingress:
         finally:
             watcher.stop()
             await upstream.aclose()
-            self.router.ended(replica_id)
+            router.ended(replica_id)
         return Response(content, upstream.status_code, headers=headers)
 
     async def _events(

@@ -33,21 +33,19 @@ def _text_of(content: Any) -> Any:
 
 
 class PromptHasher:
-    """`hashes(path, body)`: the block hashes of a request's first `max_blocks` blocks."""
+    """`hashes(path, request)`: the block hashes of a request's first `max_blocks` blocks, by
+    one model's tokenizer (each model of a cluster has its own hasher)."""
 
     def __init__(self, tokenizer: Tokenizer, block_size: int, *, max_blocks: int = 64) -> None:
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.max_blocks = max_blocks
 
-    def hashes(self, path: str, body: bytes) -> list[bytes]:
-        """Empty when the body is not a request this can read."""
+    def hashes(self, path: str, request: dict[str, Any]) -> list[bytes]:
+        """Empty when the request (its parsed JSON body) is not one this can read."""
         try:
             from kvserve.core.prefix import block_hashes
 
-            request = json.loads(body)
-            if not isinstance(request, dict):
-                return []
             token_ids = self.prompt_ids(path, request)
         except Exception:  # routing is best effort; the replica gives the real answer
             return []

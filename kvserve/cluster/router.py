@@ -8,6 +8,9 @@ least loaded one, or no prefix is remembered: then to the least loaded replica (
 turn, so distinct prompts spread). Ray Serve LLM's PrefixCacheAffinityRouter
 decides the same way.
 
+The ingress keeps one router per model, over that model's replicas only: block hashes of
+different models never share a map.
+
 Pure bookkeeping over strings and bytes: no HTTP, no Ray, no clock.
 """
 

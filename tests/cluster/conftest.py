@@ -1,13 +1,17 @@
-"""One local Ray cluster for every cluster test: two replicas of the default model at one
-thread each behind the ingress, started once per session and always shut down.
+"""One local Ray cluster for every cluster test: two models behind the ingress, two replicas
+of the default model and one of a second model (the default model's file under another name),
+at one thread each, started once per session and always shut down.
 
-Ray and two model loads take most of a minute on two cores, so every test shares this one
+Ray and three model loads take most of a minute on two cores, so every test shares this one
 application; the test that kills a replica runs last (its module sorts last) and waits for Ray
-Serve to bring it back.
+Serve to bring it back. Requests that name no model go to the first model, so the tests written
+for one model see the default model's two replicas.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -29,51 +33,75 @@ SLOTS, QUEUE_PER_SLOT = REPLICA_SETTINGS["max_num_seqs"], REPLICA_SETTINGS["max_
 CAPACITY_PER_REPLICA = SLOTS * (1 + QUEUE_PER_SLOT)
 """Requests one replica holds (running + waiting) before it answers 429."""
 
+SECOND_MODEL = "kvserve-second"
+"""The second model's served name: its file's stem."""
+
 
 class Cluster:
-    """The ingress's address and the replicas behind it."""
+    """The ingress's address and the replicas behind it: `num_replicas` of each model, by name
+    in the cluster's order."""
 
-    def __init__(self, url: str, num_replicas: int) -> None:
+    def __init__(self, url: str, num_replicas: dict[str, int]) -> None:
         self.url = url
         self.num_replicas = num_replicas
+        self.models = list(num_replicas)
 
-    def replicas(self) -> dict[str, dict]:
-        """`GET /cluster/replicas` by replica id."""
+    def replicas(self, model: str | None = None) -> dict[str, dict]:
+        """`GET /cluster/replicas` by replica id: those of `model` (default: the first model,
+        which takes the requests that name none)."""
+        model = model or self.models[0]
+        return {k: r for k, r in self.all_replicas().items() if r["model"] == model}
+
+    def all_replicas(self) -> dict[str, dict]:
+        """`GET /cluster/replicas` by replica id, every model's."""
         body = httpx.get(self.url + "/cluster/replicas", timeout=10).json()
         return {r["replica"]: r for r in body["replicas"]}
 
-    def wait_ready(self, timeout: float = 180.0) -> dict[str, dict]:
-        """Wait until every replica is ready and registered."""
+    def wait_ready(self, timeout: float = 180.0, model: str | None = None) -> dict[str, dict]:
+        """Wait until every replica of every model is ready and registered; returns those of
+        `model` (default: the first)."""
         deadline = time.monotonic() + timeout
         while True:
-            replicas = {k: r for k, r in self.replicas().items() if r["ready"]}
-            if len(replicas) == self.num_replicas:
-                return replicas
+            ready = {
+                m: {k: r for k, r in self.replicas(m).items() if r["ready"]} for m in self.models
+            }
+            if all(len(ready[m]) == self.num_replicas[m] for m in self.models):
+                return ready[model or self.models[0]]
             if time.monotonic() > deadline:
-                raise TimeoutError(f"replicas ready: {sorted(replicas)}")
+                raise TimeoutError(f"replicas ready: {ready}")
             time.sleep(0.2)
 
     def replica_metrics(self, replica_id: str) -> dict[str, float]:
         """The replica's own /metrics, scraped at its address."""
-        return scrape(SimpleNamespace(url=self.replicas()[replica_id]["url"]))
+        return scrape(SimpleNamespace(url=self.all_replicas()[replica_id]["url"]))
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[Cluster]:
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
     import ray
     from ray import serve
 
     from kvserve.cluster.cli import APP_NAME
     from kvserve.cluster.deployments import build_app
+    from kvserve.model.paths import DEFAULT_MODEL_NAME, default_model_path
 
-    ray.init(num_cpus=2, include_dashboard=False)
+    second = tmp_path_factory.mktemp("second-model") / f"{SECOND_MODEL}.gguf"
+    try:
+        os.link(default_model_path(), second)
+    except OSError:  # another file system
+        shutil.copyfile(default_model_path(), second)
+    # Ray counts CPUs, it does not pin them: three replicas of one CPU each on two cores.
+    ray.init(num_cpus=3, include_dashboard=False)
     try:
         serve.start(proxy_location="Disabled")
+        settings = {**REPLICA_SETTINGS, "models": [None, str(second)]}
         app = build_app(
-            {"replicas": 2, "cpus_per_replica": 1, "port": 0, "serve_args": REPLICA_SETTINGS}
+            {"replicas": [2, 1], "cpus_per_replica": 1, "port": 0, "serve_args": settings}
         )
         handle = serve.run(app, name=APP_NAME, route_prefix=None)
-        cluster = Cluster(handle.url.remote().result(), num_replicas=2)
+        cluster = Cluster(
+            handle.url.remote().result(), num_replicas={DEFAULT_MODEL_NAME: 2, SECOND_MODEL: 1}
+        )
         cluster.wait_ready()
         yield cluster
     finally:

@@ -83,11 +83,13 @@ def test_openai_client_streams_and_each_response_names_its_replica(client, model
         assert chunks[-1].choices[0].finish_reason is not None
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     for response in (
-        httpx.get(cluster.url + "/v1/models"),
         httpx.post(cluster.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}),
         httpx.post(cluster.url + "/v1/completions", json={"prompt": 5}),  # a 400 too
     ):
         assert response.headers["x-kvserve-replica"] in replicas
+    # The model list is one replica's of each model.
+    listed = httpx.get(cluster.url + "/v1/models").headers["x-kvserve-replica"].split(", ")
+    assert len(listed) == len(cluster.models) and listed[0] in replicas
     # Prompts that differ from their first block on take turns.
     assert seen == replicas
 
@@ -117,18 +119,22 @@ def test_events_are_relayed_while_generation_runs(cluster, model):
         raw.sock.close()
 
 
-def test_health_ready_and_metrics_with_a_replica_label(cluster):
+def test_health_ready_and_metrics_with_replica_and_model_labels(cluster):
     assert httpx.get(cluster.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(cluster.url + "/ready").json()
-    assert ready["status"] == "ready" and ready["replicas"] == 2
-    replicas = cluster.replicas()
+    assert ready["status"] == "ready" and ready["models"] == cluster.num_replicas
+    # The stream the test before left is cancelled at its replica's next step: the merged
+    # and the replica's own numbers are compared once nothing runs.
+    _wait_until_idle(cluster)
+    assert ready["replicas"] == sum(cluster.num_replicas.values())
     merged = scrape(cluster)
-    for replica_id in replicas:
-        own = cluster.replica_metrics(replica_id)
-        for name in ("kvserve:num_requests_running", "kvserve:num_kv_blocks"):
-            assert name in own
-            assert merged[f'{name}{{replica="{replica_id}"}}'] == own[name]
-    assert merged["kvserve:cluster_replicas"] == 2
+    for model in cluster.models:
+        for replica_id in cluster.replicas(model):
+            own = cluster.replica_metrics(replica_id)
+            for name in ("kvserve:num_requests_running", "kvserve:num_kv_blocks"):
+                assert name in own
+                assert merged[f'{name}{{replica="{replica_id}",model="{model}"}}'] == own[name]
+    assert merged["kvserve:cluster_replicas"] == sum(cluster.num_replicas.values())
     # Every family's samples stay together under one HELP/TYPE (the text format requires it).
     text = httpx.get(cluster.url + "/metrics").text
     types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
