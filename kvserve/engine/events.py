@@ -451,6 +451,10 @@ class EngineEvents(EngineObserver):
             self._flush()
         self._schedule_heartbeat()
 
+    def flush(self) -> None:
+        """Send an update now (normally the steps and the timers decide when)."""
+        self._flush()
+
     def _flush(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
