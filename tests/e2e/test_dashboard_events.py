@@ -286,17 +286,51 @@ class Untouchable:
         raise AssertionError(f"read {name!r} with no viewer connected")
 
 
-def test_with_no_viewer_the_hooks_read_nothing() -> None:
+def test_with_no_viewer_the_hooks_read_nothing_but_the_history_counts_tokens() -> None:
+    from types import SimpleNamespace
+
     from kvserve.engine.events import EngineEvents
 
     events = EngineEvents()
     touch = Untouchable()
     events.on_admitted(touch)
-    events.on_token(touch, 0.0)
     events.on_finished(touch)
     events.on_rejected("queue_full")
     events.on_step(touch, 0.01)
+    # A token is counted in the history (for a viewer's charts later), and nothing else.
+    arrived = SimpleNamespace(last_token_at=None, request=SimpleNamespace(arrival_time=10.0))
+    events.on_token(arrived, 10.25, 1)
     assert events.num_events == 0 and events.num_viewers == 0
+    assert events.history.to_json(12.0)["ttft_ms"] == [[10.25, 250]]
+
+
+def test_a_viewer_that_connects_after_requests_ended_sees_their_first_tokens(
+    server_factory, engine_config, until
+) -> None:
+    server = server_factory(engine_config(max_num_seqs=NUM_SLOTS))
+    engine = server.state.engine
+    try:
+        for index in range(3):
+            reply = httpx.post(
+                server.url + "/v1/completions",
+                json={"prompt": f"Story {index}:", "max_tokens": 4, "ignore_eos": True},
+                timeout=120,
+            )
+            assert reply.status_code == 200
+        until(lambda: server.call(engine.is_idle))
+        time.sleep(1.0)  # the last tokens' second is a whole one
+        reader = EventReader(server.url)
+        try:
+            snapshot = reader.wait_for(lambda e: True)
+        finally:
+            reader.close()
+        history = snapshot["history"]
+        assert len(history["ttft_ms"]) == 3
+        assert all(0 < ms < 120_000 for _, ms in history["ttft_ms"])
+        assert all(when <= snapshot["time"] for when, _ in history["ttft_ms"])
+        assert sum(tokens for _, tokens in history["tokens"]) == 12
+    finally:
+        server.stop()
 
 
 def test_shared_and_cached_blocks_are_marked(server_factory, engine_config, until) -> None:
