@@ -8,7 +8,9 @@ two minutes, and the newest first-token times), which a viewer's snapshot carrie
 charts start with the recent past. With viewers, the hooks record integers (request ids,
 counts, reasons; never prompt or answer text) and at most `max_rate` times a second the pending
 records are coalesced, together with a snapshot of the slots, the pool and the queue, into one
-JSON event that every viewer receives.
+JSON event that every viewer receives. The pool's block tables go whole in a snapshot and by
+their changes in an update (kvserve/engine/pool_events.py), so an update's size follows what
+changed, not the pool's size.
 
 Everything here runs on the engine loop's thread, the only thread that mutates the Scheduler,
 the BlockPool and the AdmissionQueue, so a snapshot never sees a half-made change: it shows the
@@ -33,6 +35,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvserve.engine.engine import EngineObserver
+from kvserve.engine.pool_events import PoolTracker
 
 if TYPE_CHECKING:
     from kvserve.core import StepPlan
@@ -97,14 +100,11 @@ class Viewer:
 
 
 def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
-    """The engine's slots, pool and queue as plain integers and ids (no text).
+    """The engine's slots, pool counts and queue as plain integers and ids (no text).
 
-    Call on the engine loop's thread. Pool blocks are listed by owner (`tables`), each table's
-    first `reserved[owner]` blocks taken at admission and the rest as it grew (null where a
-    sequence gave its block back: it fell behind the model's sliding window); blocks held by
-    more than one owner appear in `shared` with their reference count, and blocks kept by the
-    prefix cache with no owner in `cached_free` (empty when prefix caching is off). Preempted
-    sequences, first in line to resume, are listed in `preempted`.
+    Call on the engine loop's thread. Preempted sequences, first in line to resume, are listed
+    in `preempted`. The pool's block tables are not here: `PoolTracker` sends them whole in a
+    snapshot and by their changes in updates (kvserve/engine/pool_events.py).
     """
     embedder = engine.embedder
     embeddings = {
@@ -113,8 +113,7 @@ def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
     }
     if not engine.generates:
         # An embedding-only engine has no slots, pool or generation queue to show.
-        empty_pool = {"num_blocks": 0, "block_size": 0, "num_used": 0, "num_free": 0}
-        pool_view = {**empty_pool, "tables": {}, "reserved": {}, "shared": {}, "cached_free": []}
+        pool_view = {"num_blocks": 0, "block_size": 0, "num_used": 0, "num_free": 0}
         return {
             "step": 0,
             "num_running": 0,
@@ -155,21 +154,6 @@ def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
         if scheduler is not None
         else []
     )
-    tables: dict[str, list[int | None]] = {}
-    reserved: dict[str, int] = {}
-    shared: dict[str, int] = {}
-    for owner in pool.owners():
-        table = pool.table(owner)
-        # null where the owner gave its block back (behind a sliding window)
-        holes = pool.num_holes(owner)
-        tables[owner] = [None] * holes + list(table[holes:])
-        reserved[owner] = engine.kv.num_reserved(owner) if engine.kv.holds(owner) else len(table)
-        for block_id in table[holes:]:
-            count = pool.refcount(block_id)
-            if count > 1:
-                shared[str(block_id)] = count
-    cache = getattr(pool, "cache", None)
-    cached_free = list(cache.cached_free_ids()) if cache is not None else []
     queue = [
         {
             "request_id": waiter.request_id,
@@ -191,10 +175,6 @@ def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
             "block_size": pool.block_size,
             "num_used": pool.num_used,
             "num_free": pool.num_free,
-            "tables": tables,
-            "reserved": reserved,
-            "shared": shared,
-            "cached_free": cached_free,
         },
         "queue": queue,
         "embeddings": embeddings,
@@ -315,6 +295,7 @@ class EngineEvents(EngineObserver):
         self._timer: asyncio.TimerHandle | None = None
         self._heartbeat: asyncio.TimerHandle | None = None
         self.history = History()
+        self._pool = PoolTracker()
         self._reset()
 
     def _reset(self) -> None:
@@ -350,14 +331,17 @@ class EngineEvents(EngineObserver):
         now = time.monotonic()
         if not self._viewers:
             self._reset()  # nothing recorded while nobody watched is pending
+            self._pool.reset()
             self._schedule_heartbeat()
+        state = engine_snapshot(self.engine, now)
+        state["pool"].update(self._pool_fields(snapshot=True))
         event = {
             "type": "snapshot",
             "seq": self.num_events,
             "time": now,
             "wall": time.time(),
             "config": engine_settings(self.engine),
-            **engine_snapshot(self.engine, now),
+            **state,
             "history": self.history.to_json(now),
         }
         viewer.offer(json.dumps(event, separators=(",", ":")))
@@ -371,6 +355,20 @@ class EngineEvents(EngineObserver):
             self._viewers.remove(viewer)
         if not self._viewers:
             self._cancel_timers()
+            self._pool.reset()  # keep nothing of the pool for nobody
+
+    def _pool_fields(self, *, snapshot: bool) -> dict[str, Any]:
+        """The pool's tables, shared and cached-free blocks: all of them, or the changes."""
+        engine = self.engine
+        assert engine is not None
+        if not engine.generates:
+            fields: dict[str, Any] = {"tables": {}, "reserved": {}, "shared": {}, "cached_free": []}
+            if not snapshot:
+                fields.update(released=[], cached_free_removed=[])
+            return fields
+        if snapshot:
+            return self._pool.snapshot(engine.pool, engine.kv)
+        return self._pool.update(engine.pool, engine.kv)
 
     def close_all(self) -> None:
         """Close every viewer (the server is stopping)."""
@@ -530,13 +528,15 @@ class EngineEvents(EngineObserver):
             return
         now = time.monotonic()
         self.num_events += 1
+        state = engine_snapshot(self.engine, now)
+        state["pool"].update(self._pool_fields(snapshot=False))
         event = {
             "type": "update",
             "seq": self.num_events,
             "time": now,
             "wall": time.time(),
             "interval": round(now - self._last_sent, 4) if self._last_sent else None,
-            **engine_snapshot(self.engine, now),
+            **state,
             "steps": list(self._steps),
             "admitted": self._admitted,
             "finished": self._finished,

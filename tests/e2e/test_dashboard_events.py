@@ -17,6 +17,7 @@ import pytest
 
 from kvserve.bench.loadgen import BenchConfig, BenchResult, build_prompts, run_benchmark
 from kvserve.config import ServerConfig
+from kvserve.engine.pool_events import PoolMirror
 from tests.e2e.conftest import scrape
 
 pytestmark = pytest.mark.slow
@@ -30,10 +31,13 @@ SEED = 7
 
 
 class EventReader:
-    """Reads the event stream in a thread: every event parsed, and the raw text kept."""
+    """Reads the event stream in a thread: every event parsed, and the raw text kept. Each
+    event gains `blocks`: the pool as its viewer pictures it then (`PoolMirror`), each owner's
+    held blocks, the shared blocks' counts and the cached-free blocks."""
 
     def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
         self.events: list[dict] = []
+        self.mirror = PoolMirror()
         self.raw: list[str] = []
         self.status: int | None = None
         self._lock = threading.Lock()
@@ -51,7 +55,14 @@ class EventReader:
                 with self._lock:
                     self.raw.append(line)
                     if line.startswith("data: "):
-                        self.events.append(json.loads(line.removeprefix("data: ")))
+                        event = json.loads(line.removeprefix("data: "))
+                        self.mirror.apply(event)
+                        event["blocks"] = {
+                            "tables": {o: self.mirror.held(o) for o in self.mirror.tables},
+                            "shared": dict(self.mirror.shared),
+                            "cached_free": sorted(self.mirror.cached_free),
+                        }
+                        self.events.append(event)
 
     def snapshot(self) -> list[dict]:
         with self._lock:
@@ -110,7 +121,7 @@ def metrics_state(server) -> dict[str, int]:
 
 
 def event_state(event: dict) -> dict[str, int]:
-    blocks = {block for table in event["pool"]["tables"].values() for block in table}
+    blocks = {block for table in event["blocks"]["tables"].values() for block in table}
     assert len(blocks) == event["pool"]["num_used"], "the tables and the used count disagree"
     busy = [slot for slot in event["slots"] if slot is not None]
     assert len(busy) == event["num_running"]
@@ -354,21 +365,21 @@ def test_shared_and_cached_blocks_are_marked(server_factory, engine_config, unti
         ask(2)
         until(lambda: server.call(engine.is_idle))
         # Released, its prompt's full blocks stay cached, owned by nobody.
-        cached = reader.wait_for(lambda e: e["pool"]["cached_free"] and e["num_running"] == 0)
-        assert cached["pool"]["num_used"] == 0 and cached["pool"]["tables"] == {}
+        cached = reader.wait_for(lambda e: e["blocks"]["cached_free"] and e["num_running"] == 0)
+        assert cached["pool"]["num_used"] == 0 and cached["blocks"]["tables"] == {}
         # Two at once: the second takes the first's cached blocks, and they share them.
         threads = [threading.Thread(target=ask, args=(40,)) for _ in range(2)]
         for thread in threads:
             thread.start()
-        shared = reader.wait_for(lambda e: e["num_running"] == 2 and e["pool"]["shared"])
-        tables = shared["pool"]["tables"]
+        shared = reader.wait_for(lambda e: e["num_running"] == 2 and e["blocks"]["shared"])
+        tables = shared["blocks"]["tables"]
         first_id, second_id = (slot["request_id"] for slot in shared["slots"] if slot)
         both = set(tables[first_id]) & set(tables[second_id])
         # Every owner counts: until its copy has run, a request that continues a published
         # tail also holds that tail block under a second owner (its copy source).
         held = Counter(block_id for table in tables.values() for block_id in table)
         assert both and all(held[block_id] == 2 for block_id in both)
-        marked = {int(block_id): count for block_id, count in shared["pool"]["shared"].items()}
+        marked = shared["blocks"]["shared"]
         assert marked == {block_id: count for block_id, count in held.items() if count > 1}
         assert all(count == 2 for count in marked.values())
         for thread in threads:
