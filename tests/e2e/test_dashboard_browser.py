@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 import httpx
 import numpy
@@ -341,6 +342,8 @@ def test_a_large_pool_is_drawn_as_a_compact_map(
         url = route.request.url
         if url.startswith(origin + "/dashboard"):
             route.fulfill(status=200, content_type="text/html", body=dashboard_html())
+        elif url == origin + "/v1/models":
+            route.fulfill(status=200, json={"object": "list", "data": [{"id": "synthetic"}]})
         elif url == origin + "/v1/engine/events":
             route.fulfill(status=200, content_type="text/event-stream", body=streams[0])
         else:
@@ -400,6 +403,90 @@ def test_a_large_pool_is_drawn_as_a_compact_map(
             "() => document.querySelectorAll('#pool .block[data-owner]:not([data-owner=\"\"])').length"
         )
         assert owned == small_truth["used"]
+    finally:
+        context.close()
+    assert errors == [], errors
+
+
+def test_the_model_picker_lists_the_models_and_switches_the_stream(
+    browser: Any,  # noqa: F811
+) -> None:
+    """With two models listed by /v1/models, the page (opened with ?model=) shows them in a
+    picker and reads that model's stream, sending the API key to both; picking the other
+    reconnects with ?model= and rewrites the address; with one model listed there is no picker
+    and the stream is asked without ?model=."""
+    from kvserve.server.dashboard import dashboard_html
+
+    origin = "http://kvserve.test"
+    big, _ = recorded_stream(100_000, 64)
+    small, small_truth = recorded_stream(512, 4)
+    streams = {"qwen2.5-coder:1.5b": big, "smol": small}
+    listed = [{"id": name, "object": "model", "owned_by": "kvserve"} for name in streams]
+    asked: list[tuple[str, str | None]] = []
+
+    def answer(route: Any) -> None:
+        request = route.request
+        url = request.url
+        asked.append((url, request.headers.get("authorization")))
+        if url.startswith(origin + "/dashboard"):
+            route.fulfill(status=200, content_type="text/html", body=dashboard_html())
+        elif url == origin + "/v1/models":
+            route.fulfill(status=200, json={"object": "list", "data": listed})
+        elif url.startswith(origin + "/v1/engine/events"):
+            query = parse_qs(urlparse(url).query)
+            name = query.get("model", ["qwen2.5-coder:1.5b"])[0]
+            route.fulfill(status=200, content_type="text/event-stream", body=streams[name])
+        else:
+            route.abort()
+
+    context = browser.new_context(viewport={"width": 1400, "height": 1050})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.route("**/*", answer)
+    try:
+        page.goto(origin + "/dashboard?model=qwen2.5-coder%3A1.5b#key=sesame")
+        page.wait_for_function(
+            "() => document.getElementById('pool').dataset.mode === 'cells'", timeout=10_000
+        )
+        drawn = page.evaluate(
+            """() => ({ picker: !document.getElementById("model-picker").hidden,
+                       options: [...document.querySelectorAll("#model option")].map((o) => o.value),
+                       picked: document.getElementById("model").value,
+                       model: document.body.dataset.model })"""
+        )
+        assert drawn["picker"] and drawn["options"] == list(streams)
+        assert drawn["picked"] == drawn["model"] == "qwen2.5-coder:1.5b"
+        events_asked = [(url, key) for url, key in asked if "/v1/engine/events" in url]
+        assert events_asked == [
+            (origin + "/v1/engine/events?model=qwen2.5-coder%3A1.5b", "Bearer sesame")
+        ]
+        assert (origin + "/v1/models", "Bearer sesame") in asked
+
+        page.select_option("#model", "smol")
+        page.wait_for_function(
+            "() => document.getElementById('pool').dataset.mode === 'tiles'", timeout=10_000
+        )
+        assert page.evaluate("() => document.querySelectorAll('#pool .block').length") == 512
+        owned = page.evaluate(
+            "() => document.querySelectorAll('#pool .block[data-owner]:not([data-owner=\"\"])').length"
+        )
+        assert owned == small_truth["used"]
+        assert page.evaluate("() => location.search + location.hash") == "?model=smol#key=sesame"
+        assert asked[-1] == (origin + "/v1/engine/events?model=smol", "Bearer sesame")
+
+        # One model: no picker, and the stream without ?model= (the server's default).
+        listed[1:] = []
+        asked.clear()
+        page.goto(origin + "/dashboard")
+        page.wait_for_function(
+            "() => document.getElementById('pool').dataset.mode === 'cells'", timeout=10_000
+        )
+        assert page.evaluate("() => document.getElementById('model-picker').hidden")
+        assert [url for url, _ in asked if "/v1/engine/events" in url] == [
+            origin + "/v1/engine/events"
+        ]
     finally:
         context.close()
     assert errors == [], errors
