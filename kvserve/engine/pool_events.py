@@ -2,7 +2,8 @@
 an update, block ids as runs.
 
 A pool of 10^5 blocks held by 64 sequences is 10^5 block ids: sent whole ten times a second that
-is 600 kB an update and tens of milliseconds of the engine loop's time to build and serialize it.
+is 600 kB an update and some 20 ms of the engine loop's time to build and serialize it
+(docs/benchmarks.md, `python -m kvserve.bench.events_bench`).
 Between two updates only a few tables change (a sequence takes a block every `block_size`
 tokens; one ends, one is admitted), so an update carries those changes, and every viewer
 applies them to what it has: the snapshot it got on connect and the updates since, in order (a
