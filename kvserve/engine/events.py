@@ -1,11 +1,16 @@
 """The live engine as a stream of events, for the dashboard: step-boundary snapshots and a
 bounded buffer per viewer.
 
-`EngineEvents` is an `EngineObserver`. With no viewer connected every hook returns at its first
-line, so the engine pays one attribute read per call. With viewers, the hooks record integers
-(request ids, counts, reasons; never prompt or answer text) and at most `max_rate` times a
-second the pending records are coalesced, together with a snapshot of the slots, the pool and
-the queue, into one JSON event that every viewer receives.
+`EngineEvents` is an `EngineObserver`. With no viewer connected every hook but `on_token`
+returns at its first line, so the engine pays one attribute read per call; `on_token` adds its
+count (and a first token's wait) to a bounded recent history (`History`: per second of the last
+two minutes, and the newest first-token times), which a viewer's snapshot carries so that its
+charts start with the recent past. With viewers, the hooks record integers (request ids,
+counts, reasons; never prompt or answer text) and at most `max_rate` times a second the pending
+records are coalesced, together with a snapshot of the slots, the pool and the queue, into one
+JSON event that every viewer receives. The pool's block tables go whole in a snapshot and by
+their changes in an update (kvserve/engine/pool_events.py), so an update's size follows what
+changed, not the pool's size.
 
 Everything here runs on the engine loop's thread, the only thread that mutates the Scheduler,
 the BlockPool and the AdmissionQueue, so a snapshot never sees a half-made change: it shows the
@@ -30,13 +35,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvserve.engine.engine import EngineObserver
+from kvserve.engine.pool_events import PoolTracker
 
 if TYPE_CHECKING:
     from kvserve.core import StepPlan
     from kvserve.engine.embedding import EmbeddingJob
     from kvserve.engine.engine import Engine, RequestState
 
-__all__ = ["EngineEvents", "Viewer", "engine_snapshot"]
+__all__ = ["EngineEvents", "History", "Viewer", "engine_snapshot"]
 
 log = logging.getLogger("kvserve.engine.events")
 
@@ -44,6 +50,8 @@ MAX_EVENTS_PER_SECOND = 10.0
 HEARTBEAT_SECONDS = 1.0
 DEFAULT_BUFFER_SIZE = 32
 MAX_STEPS_PER_EVENT = 64  # step compositions kept between two events (the newest ones)
+HISTORY_SECONDS = 120  # the charts' span (the dashboard draws the last two minutes)
+MAX_TTFT_HISTORY = 1024  # first-token times kept for the charts (the newest ones)
 
 # Ends that refuse or drop a request, and the HTTP status the client saw (None: the answer had
 # started, so the stream ended with an error event instead of a status).
@@ -92,14 +100,11 @@ class Viewer:
 
 
 def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
-    """The engine's slots, pool and queue as plain integers and ids (no text).
+    """The engine's slots, pool counts and queue as plain integers and ids (no text).
 
-    Call on the engine loop's thread. Pool blocks are listed by owner (`tables`), each table's
-    first `reserved[owner]` blocks taken at admission and the rest as it grew (null where a
-    sequence gave its block back: it fell behind the model's sliding window); blocks held by
-    more than one owner appear in `shared` with their reference count, and blocks kept by the
-    prefix cache with no owner in `cached_free` (empty when prefix caching is off). Preempted
-    sequences, first in line to resume, are listed in `preempted`.
+    Call on the engine loop's thread. Preempted sequences, first in line to resume, are listed
+    in `preempted`. The pool's block tables are not here: `PoolTracker` sends them whole in a
+    snapshot and by their changes in updates (kvserve/engine/pool_events.py).
     """
     embedder = engine.embedder
     embeddings = {
@@ -108,8 +113,7 @@ def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
     }
     if not engine.generates:
         # An embedding-only engine has no slots, pool or generation queue to show.
-        empty_pool = {"num_blocks": 0, "block_size": 0, "num_used": 0, "num_free": 0}
-        pool_view = {**empty_pool, "tables": {}, "reserved": {}, "shared": {}, "cached_free": []}
+        pool_view = {"num_blocks": 0, "block_size": 0, "num_used": 0, "num_free": 0}
         return {
             "step": 0,
             "num_running": 0,
@@ -150,21 +154,6 @@ def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
         if scheduler is not None
         else []
     )
-    tables: dict[str, list[int | None]] = {}
-    reserved: dict[str, int] = {}
-    shared: dict[str, int] = {}
-    for owner in pool.owners():
-        table = pool.table(owner)
-        # null where the owner gave its block back (behind a sliding window)
-        holes = pool.num_holes(owner)
-        tables[owner] = [None] * holes + list(table[holes:])
-        reserved[owner] = engine.kv.num_reserved(owner) if engine.kv.holds(owner) else len(table)
-        for block_id in table[holes:]:
-            count = pool.refcount(block_id)
-            if count > 1:
-                shared[str(block_id)] = count
-    cache = getattr(pool, "cache", None)
-    cached_free = list(cache.cached_free_ids()) if cache is not None else []
     queue = [
         {
             "request_id": waiter.request_id,
@@ -186,10 +175,6 @@ def engine_snapshot(engine: Engine, now: float) -> dict[str, Any]:
             "block_size": pool.block_size,
             "num_used": pool.num_used,
             "num_free": pool.num_free,
-            "tables": tables,
-            "reserved": reserved,
-            "shared": shared,
-            "cached_free": cached_free,
         },
         "queue": queue,
         "embeddings": embeddings,
@@ -231,6 +216,60 @@ def engine_settings(engine: Engine) -> dict[str, Any]:
     }
 
 
+class History:
+    """The charts' recent past, kept whether or not anyone watches: output tokens and
+    inter-token gaps per whole second (of the engine's monotonic clock), for the last `seconds`,
+    and the newest `max_ttft` first-token waits. Bounded: at most `seconds` buckets and
+    `max_ttft` waits, whatever the load."""
+
+    def __init__(self, seconds: int = HISTORY_SECONDS, max_ttft: int = MAX_TTFT_HISTORY) -> None:
+        if seconds < 1 or max_ttft < 1:
+            raise ValueError("seconds and max_ttft must be at least 1")
+        self.seconds = seconds
+        # [second, tokens, gap sum, gap count, gap max], oldest first, only seconds with tokens
+        self._buckets: deque[list[Any]] = deque(maxlen=seconds)
+        self._ttft: deque[tuple[float, int]] = deque(maxlen=max_ttft)  # (when, milliseconds)
+
+    def add_tokens(self, now: float, num_tokens: int, gap: float | None) -> None:
+        """`num_tokens` output tokens at `now`; `gap`: seconds since the request's previous
+        token (None for its first)."""
+        second = int(now)
+        buckets = self._buckets
+        if not buckets or buckets[-1][0] != second:
+            buckets.append([second, 0, 0.0, 0, 0.0])
+        bucket = buckets[-1]
+        bucket[1] += num_tokens
+        if gap is not None:
+            bucket[2] += gap
+            bucket[3] += 1
+            if gap > bucket[4]:
+                bucket[4] = gap
+
+    def add_first_token(self, now: float, ms: int) -> None:
+        """A request's first token at `now`, `ms` milliseconds after it arrived."""
+        self._ttft.append((now, ms))
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        """The whole seconds before `now` within the span, as the charts' points (times on the
+        clock of the events' `time`): `tokens` `[[end of second, tokens]]` for every second
+        from the oldest one with tokens (zeros where there were none), `itl_ms` `[[end of
+        second, mean, max]]` for the seconds with gaps, `ttft_ms` `[[when, ms]]`."""
+        current = int(now)
+        oldest = current - self.seconds
+        buckets = [b for b in self._buckets if oldest <= b[0] < current]
+        tokens: list[list[float]] = []
+        if buckets:
+            counts = {b[0]: b[1] for b in buckets}
+            tokens = [
+                [second + 1, counts.get(second, 0)] for second in range(buckets[0][0], current)
+            ]
+        itl = [
+            [b[0] + 1, round(1000 * b[2] / b[3], 2), round(1000 * b[4], 2)] for b in buckets if b[3]
+        ]
+        ttft = [[round(when, 3), ms] for when, ms in self._ttft if when >= now - self.seconds]
+        return {"seconds": self.seconds, "tokens": tokens, "itl_ms": itl, "ttft_ms": ttft}
+
+
 class EngineEvents(EngineObserver):
     """The engine observer behind `GET /v1/engine/events`: records while viewers are
     connected, coalesces to at most `max_rate` events a second, drops viewers that fall
@@ -255,6 +294,8 @@ class EngineEvents(EngineObserver):
         self._last_sent = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._heartbeat: asyncio.TimerHandle | None = None
+        self.history = History()
+        self._pool = PoolTracker()
         self._reset()
 
     def _reset(self) -> None:
@@ -290,14 +331,18 @@ class EngineEvents(EngineObserver):
         now = time.monotonic()
         if not self._viewers:
             self._reset()  # nothing recorded while nobody watched is pending
+            self._pool.reset()
             self._schedule_heartbeat()
+        state = engine_snapshot(self.engine, now)
+        state["pool"].update(self._pool_fields(snapshot=True))
         event = {
             "type": "snapshot",
             "seq": self.num_events,
             "time": now,
             "wall": time.time(),
             "config": engine_settings(self.engine),
-            **engine_snapshot(self.engine, now),
+            **state,
+            "history": self.history.to_json(now),
         }
         viewer.offer(json.dumps(event, separators=(",", ":")))
         self._viewers.append(viewer)
@@ -310,6 +355,20 @@ class EngineEvents(EngineObserver):
             self._viewers.remove(viewer)
         if not self._viewers:
             self._cancel_timers()
+            self._pool.reset()  # keep nothing of the pool for nobody
+
+    def _pool_fields(self, *, snapshot: bool) -> dict[str, Any]:
+        """The pool's tables, shared and cached-free blocks: all of them, or the changes."""
+        engine = self.engine
+        assert engine is not None
+        if not engine.generates:
+            fields: dict[str, Any] = {"tables": {}, "reserved": {}, "shared": {}, "cached_free": []}
+            if not snapshot:
+                fields.update(released=[], cached_free_removed=[])
+            return fields
+        if snapshot:
+            return self._pool.snapshot(engine.pool, engine.kv)
+        return self._pool.update(engine.pool, engine.kv)
 
     def close_all(self) -> None:
         """Close every viewer (the server is stopping)."""
@@ -338,13 +397,19 @@ class EngineEvents(EngineObserver):
         self._soon()
 
     def on_token(self, state: RequestState, now: float, num_tokens: int = 1) -> None:
+        # Recorded with or without viewers: the history a viewer's charts start from.
+        last = state.last_token_at
+        gap = None if last is None else now - last
+        self.history.add_tokens(now, num_tokens, gap)
+        if gap is None:
+            ttft = round(1000 * (now - state.request.arrival_time))
+            self.history.add_first_token(now, ttft)
         if not self._viewers:
             return
         self._num_tokens += num_tokens
-        if state.last_token_at is None:
-            self._ttft.append(round(1000 * (now - state.request.arrival_time)))
+        if gap is None:
+            self._ttft.append(ttft)
         else:
-            gap = now - state.last_token_at
             self._itl_sum += gap
             self._itl_count += 1
             self._itl_max = max(self._itl_max, gap)
@@ -451,6 +516,10 @@ class EngineEvents(EngineObserver):
             self._flush()
         self._schedule_heartbeat()
 
+    def flush(self) -> None:
+        """Send an update now (normally the steps and the timers decide when)."""
+        self._flush()
+
     def _flush(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -459,13 +528,15 @@ class EngineEvents(EngineObserver):
             return
         now = time.monotonic()
         self.num_events += 1
+        state = engine_snapshot(self.engine, now)
+        state["pool"].update(self._pool_fields(snapshot=False))
         event = {
             "type": "update",
             "seq": self.num_events,
             "time": now,
             "wall": time.time(),
             "interval": round(now - self._last_sent, 4) if self._last_sent else None,
-            **engine_snapshot(self.engine, now),
+            **state,
             "steps": list(self._steps),
             "admitted": self._admitted,
             "finished": self._finished,

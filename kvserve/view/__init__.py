@@ -1,7 +1,8 @@
 """The page components the simulator and the live dashboard both draw with.
 
-`components.js` (slots, the KV pool grid, the queue, a step's rows) and `components.css` are
-inlined into each page, which therefore stays one self-contained file: no CDN, no fetch.
+`components.js` (slots, the KV pool: a tile per block, or a canvas map of a large pool, the
+queue, a step's rows) and `components.css` are inlined into each page, which therefore stays
+one self-contained file: no CDN, no fetch.
 """
 
 from __future__ import annotations

@@ -156,6 +156,198 @@ const KVView = (() => {
     });
   }
 
+  // -- the pool as typed arrays, for pools too large for a tile per block ----------------------
+  //
+  // An occupancy: {num_blocks, block_size, owners: [id...], owner: Int32Array (index into
+  // owners, -1 when nobody holds the block), fill: Uint32Array (positions written), flags:
+  // Uint8Array (SHARED | GROWTH | CACHED)}.
+  const SHARED = 1, GROWTH = 2, CACHED = 4;
+  const TILE_LIMIT = 2048;  // up to this many blocks, one tile per block (with its hover text)
+  const MAP_HEIGHT = 320;   // the compact map's most pixels high
+  const FREE_RGB = [238, 240, 243], CACHED_RGB = [185, 208, 232], SHARED_RGB = [29, 36, 48];
+
+  function rgbOf(color) {
+    if (color[0] === "#") {
+      const n = parseInt(color.slice(1), 16);
+      return [n >> 16, (n >> 8) & 255, n & 255];
+    }
+    return color.match(/\d+/g).slice(0, 3).map(Number);
+  }
+  const paleRgb = (rgb) => rgb.map((c) => Math.round(c + (255 - c) * 0.72));
+  const darkRgb = (rgb) => rgb.map((c) => Math.round(c * 0.55));
+  const css = (rgb) => `rgb(${rgb[0]}, ${rgb[1]}, ${rgb[2]})`;
+
+  // The per-block objects drawPool draws, from an occupancy (a small pool's).
+  function blocksOf(occ) {
+    return Array.from({ length: occ.num_blocks }, (_, b) => {
+      const holder = occ.owner[b];
+      return { owner: holder >= 0 ? occ.owners[holder] : "", fill: occ.fill[b],
+               refcount: occ.flags[b] & SHARED ? 2 : holder >= 0 ? 1 : 0,
+               cached: holder < 0 && Boolean(occ.flags[b] & CACHED),
+               growth: holder >= 0 && Boolean(occ.flags[b] & GROWTH) };
+    });
+  }
+
+  // How the map lays out `numBlocks` in `width` pixels and at most `maxHeight`: a square of
+  // `px` pixels per block (the largest that fits, at least 2), else cells of `perCell`
+  // consecutive blocks, each drawn as the shares of its blocks' states.
+  function poolLayout(numBlocks, width, maxHeight) {
+    for (const px of [10, 8, 6, 5, 4, 3, 2]) {
+      const cols = Math.max(1, Math.floor(width / px));
+      const rows = Math.ceil(numBlocks / cols);
+      if (rows * px <= maxHeight) return { mode: "blocks", px, cols, rows, perCell: 1, gap: px >= 5 ? 1 : 0 };
+    }
+    const px = 8;
+    const cols = Math.max(1, Math.floor(width / px));
+    const perCell = Math.ceil(numBlocks / (cols * Math.max(1, Math.floor(maxHeight / px))));
+    const rows = Math.ceil(Math.ceil(numBlocks / perCell) / cols);
+    return { mode: "cells", px, cols, rows, perCell, gap: 1 };
+  }
+
+  // Blocks first .. last - 1 counted by state: used (held), shared, growth (held, taken as
+  // their sequence grew), cached (free, kept by the prefix cache), free; and blocks per owner.
+  function countBlocks(occ, first, last) {
+    const counts = { used: 0, shared: 0, growth: 0, cached: 0, free: 0, partly: 0, owners: new Map() };
+    for (let b = first; b < last; b++) {
+      const holder = occ.owner[b], flags = occ.flags[b];
+      if (holder < 0) {
+        if (flags & CACHED) counts.cached++; else counts.free++;
+        continue;
+      }
+      counts.used++;
+      if (flags & SHARED) counts.shared++;
+      else if (flags & GROWTH) counts.growth++;
+      if (occ.fill[b] < occ.block_size) counts.partly++;
+      counts.owners.set(holder, (counts.owners.get(holder) || 0) + 1);
+    }
+    return counts;
+  }
+
+  function describeBlocks(occ, first, last) {
+    if (last - first === 1) {
+      const b = first, holder = occ.owner[b];
+      if (holder < 0) return occ.flags[b] & CACHED ? `block ${b}: cached prefix, free to reuse` : `block ${b}: free`;
+      let text = `block ${b}: ${occ.owners[holder]}, ${occ.fill[b]} positions written`;
+      if (occ.flags[b] & SHARED) text += ", shared";
+      if (occ.flags[b] & GROWTH) text += ", taken as it grew (not reserved at admission)";
+      return text;
+    }
+    const c = countBlocks(occ, first, last);
+    const top = [...c.owners].sort((a, b) => b[1] - a[1]).slice(0, 3)
+      .map(([holder, n]) => `${view.label(occ.owners[holder])} ${n}`).join(", ");
+    return `blocks ${first}\u2013${last - 1}: ${c.used} used` +
+      (c.owners.size ? ` by ${c.owners.size} (${top}${c.owners.size > 3 ? ", ..." : ""})` : "") +
+      `, ${c.shared} shared, ${c.growth} grown, ${c.cached} cached, ${c.free} free`;
+  }
+
+  function paint(data, width, x0, y0, w, h, rgb) {
+    for (let y = y0; y < y0 + h; y++) {
+      let i = (y * width + x0) * 4;
+      for (let x = 0; x < w; x++, i += 4) {
+        data[i] = rgb[0]; data[i + 1] = rgb[1]; data[i + 2] = rgb[2]; data[i + 3] = 255;
+      }
+    }
+  }
+
+  // The compact map on a <canvas>: one square per block, or per cell of blocks a column of its
+  // shares (bottom up: held as reserved in its main owner's colour, grown in a darker shade,
+  // shared in black, cached in blue, free in grey). Hovering writes what is under the pointer.
+  function drawPoolMap(box, occ, colorOf) {
+    let canvas = box.querySelector("canvas.pool-canvas");
+    if (!canvas) {
+      box.replaceChildren();
+      canvas = el("canvas", { class: "pool-canvas" });
+      const info = el("div", { class: "pool-info", text: "point at the map to see its blocks" });
+      box.append(canvas, info, el("div", { class: "pool-legend" }));
+      canvas.addEventListener("mousemove", (event) => {
+        const drawn = box.kvDrawn;
+        if (!drawn) return;
+        const rect = canvas.getBoundingClientRect();
+        const col = Math.floor((event.clientX - rect.left) / drawn.layout.px);
+        const row = Math.floor((event.clientY - rect.top) / drawn.layout.px);
+        const first = (row * drawn.layout.cols + col) * drawn.layout.perCell;
+        if (col < 0 || col >= drawn.layout.cols || first < 0 || first >= drawn.occ.num_blocks) return;
+        info.textContent = describeBlocks(drawn.occ, first,
+                                          Math.min(drawn.occ.num_blocks, first + drawn.layout.perCell));
+      });
+    }
+    box.classList.add("pool-map");
+    const width = Math.max(120, box.clientWidth || 640);
+    const layout = poolLayout(occ.num_blocks, width, MAP_HEIGHT);
+    const w = layout.cols * layout.px, h = Math.max(1, layout.rows * layout.px);
+    if (canvas.width !== w) canvas.width = w;
+    if (canvas.height !== h) canvas.height = h;
+    canvas.style.width = `${w}px`;
+    canvas.style.height = `${h}px`;
+    const context = canvas.getContext("2d");
+    const image = context.createImageData(w, h);
+    const data = image.data;
+    const colors = occ.owners.map((id) => {
+      const rgb = rgbOf(colorOf(id));
+      return { rgb, pale: paleRgb(rgb), dark: darkRgb(rgb) };
+    });
+    const side = layout.px - layout.gap;
+    const n = occ.num_blocks;
+    if (layout.mode === "blocks") {
+      for (let b = 0; b < n; b++) {
+        const holder = occ.owner[b], flags = occ.flags[b];
+        let rgb;
+        if (holder < 0) rgb = flags & CACHED ? CACHED_RGB : FREE_RGB;
+        else if (flags & SHARED) rgb = SHARED_RGB;
+        else if (flags & GROWTH) rgb = colors[holder].dark;
+        else rgb = occ.fill[b] < occ.block_size ? colors[holder].pale : colors[holder].rgb;
+        paint(data, w, (b % layout.cols) * layout.px, Math.floor(b / layout.cols) * layout.px, side, side, rgb);
+      }
+    } else {
+      const numCells = Math.ceil(n / layout.perCell);
+      for (let cell = 0; cell < numCells; cell++) {
+        const first = cell * layout.perCell, last = Math.min(n, first + layout.perCell);
+        const c = countBlocks(occ, first, last);
+        let main = null, most = 0;
+        for (const [holder, count] of c.owners) if (count > most) { main = holder; most = count; }
+        const held = main === null ? null : colors[main];
+        const parts = [[c.used - c.shared - c.growth, held && held.rgb], [c.growth, held && held.dark],
+                       [c.shared, SHARED_RGB], [c.cached, CACHED_RGB], [c.free, FREE_RGB]];
+        const x = (cell % layout.cols) * layout.px, top = Math.floor(cell / layout.cols) * layout.px;
+        let done = 0, bottom = top + side;
+        for (const [count, rgb] of parts) {
+          if (!count) continue;
+          done += count;
+          const edge = top + side - Math.round((done / (last - first)) * side);
+          if (bottom > edge) paint(data, w, x, edge, side, bottom - edge, rgb);
+          bottom = edge;
+        }
+      }
+    }
+    context.putImageData(image, 0, 0);
+    box.kvDrawn = { occ, layout };
+    const total = countBlocks(occ, 0, n);
+    Object.assign(box.dataset, { mode: layout.mode, perCell: String(layout.perCell), px: String(layout.px),
+                                 used: String(total.used), shared: String(total.shared),
+                                 growth: String(total.growth), cached: String(total.cached),
+                                 free: String(total.free), owners: String(total.owners.size) });
+    const legend = box.querySelector(".pool-legend");
+    const swatch = (rgb, text) => el("span", {}, el("i", { style: `background:${css(rgb)}` }), text);
+    legend.replaceChildren(
+      el("span", { text: layout.mode === "blocks" ? `one square per block (${layout.cols} a row):`
+                                                  : `one cell per ${layout.perCell} blocks (${layout.cols} a row), its shares from the bottom:` }),
+      swatch([78, 121, 167], "held, in its owner's colour" + (layout.mode === "blocks" ? " (pale: being written)" : "")),
+      swatch(darkRgb([78, 121, 167]), "taken as it grew"),
+      swatch(SHARED_RGB, "shared"), swatch(CACHED_RGB, "cached"), swatch(FREE_RGB, "free"));
+  }
+
+  // The pool, whichever way fits: a tile per block up to `tileLimit` blocks, else the map.
+  function drawOccupancy(box, occ, colorOf, tileLimit = TILE_LIMIT) {
+    if (occ.num_blocks <= tileLimit) {
+      box.classList.remove("pool-map");
+      box.kvDrawn = null;
+      drawPool(box, blocksOf(occ), occ.block_size, colorOf);
+      box.dataset.mode = "tiles";
+      return;
+    }
+    drawPoolMap(box, occ, colorOf);
+  }
+
   // rows: [{request_id, num_tokens, is_prefill, start, samples}] in plan order
   function drawRows(box, textBox, rows, maxRows, stalledIds, colorOf) {
     box.replaceChildren();
@@ -186,5 +378,7 @@ const KVView = (() => {
     textBox.textContent = texts.length ? texts.join("; ") : "no rows";
   }
 
-  return { view, PALETTE, el, pale, chip, list, colorAllocator, drawQueue, drawSlots, drawPool, drawRows };
+  return { view, PALETTE, SHARED, GROWTH, CACHED, TILE_LIMIT, el, pale, chip, list, colorAllocator,
+           drawQueue, drawSlots, drawPool, drawRows, blocksOf, poolLayout, countBlocks, describeBlocks,
+           drawPoolMap, drawOccupancy };
 })();

@@ -7,11 +7,15 @@ picture)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 import httpx
 import numpy
@@ -274,3 +278,215 @@ def test_the_dashboard_marks_preempted_requests_and_growth_blocks(
         context.close()
         server.stop()
     assert errors == [], "the page reported errors"
+
+
+def recorded_stream(num_blocks: int, num_slots: int, *, past_requests: int = 0) -> tuple[str, dict]:
+    """An event stream of a synthetic engine (kvserve/bench/events_bench.py) as the server sends
+    it: the snapshot (after `past_requests` requests had their first tokens, nobody watching)
+    and three updates; and the pool's truth at the end."""
+    from types import SimpleNamespace
+
+    from kvserve.bench.events_bench import SyntheticEngine
+    from kvserve.engine.events import EngineEvents
+    from kvserve.server.sse import event
+
+    async def record() -> tuple[str, dict]:
+        engine = SyntheticEngine(num_blocks, num_slots)
+        prompt_tokens = int(0.9 * num_blocks / num_slots) * 16 - 64
+        for _ in range(num_slots):
+            engine.admit(prompt_tokens)
+        events = EngineEvents(max_rate=1e-3, heartbeat=1e6)
+        events.bind(engine)  # type: ignore[arg-type]
+        now = time.monotonic()
+        for k in range(past_requests):
+            arrived = SimpleNamespace(
+                last_token_at=None, request=SimpleNamespace(arrival_time=now - 20 + k)
+            )
+            events.on_token(arrived, now - 20 + k + 0.1 * (k + 1))
+        viewer = events.connect()
+        texts = await viewer.next_batch()
+        for _ in range(3):
+            engine.decode(20)
+            engine.finish(engine.sequences[0])
+            engine.admit(prompt_tokens)
+            events.flush()
+            texts += await viewer.next_batch()
+        events.close_all()
+        pool = engine.pool
+        owners = {owner for owner in pool.owners() if pool.num_held(owner)}
+        return "".join(event(text) for text in texts), {
+            "used": pool.num_used,
+            "cached": pool.num_cached_free,
+            "owners": len(owners),
+        }
+
+    # Playwright's loop runs in this thread: the engine's loop gets one of its own.
+    with ThreadPoolExecutor(1) as executor:
+        return executor.submit(asyncio.run, record()).result()
+
+
+def test_a_large_pool_is_drawn_as_a_compact_map(
+    browser: Any,  # noqa: F811
+) -> None:
+    """The page against recorded streams (no server: every request is answered here): a pool of
+    10^5 blocks is drawn on one canvas, in cells, with the counts of the stream's pool; the
+    charts start from the snapshot's history; a small pool gets its tiles."""
+    from kvserve.server.dashboard import dashboard_html
+
+    origin = "http://kvserve.test"
+    big, big_truth = recorded_stream(100_000, 64, past_requests=4)
+    small, small_truth = recorded_stream(512, 4)
+    streams = [big]  # what the next connection to the stream gets
+
+    def answer(route: Any) -> None:
+        url = route.request.url
+        if url.startswith(origin + "/dashboard"):
+            route.fulfill(status=200, content_type="text/html", body=dashboard_html())
+        elif url == origin + "/v1/models":
+            route.fulfill(status=200, json={"object": "list", "data": [{"id": "synthetic"}]})
+        elif url == origin + "/v1/engine/events":
+            route.fulfill(status=200, content_type="text/event-stream", body=streams[0])
+        else:
+            route.abort()
+
+    context = browser.new_context(viewport={"width": 1400, "height": 1050})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.route("**/*", answer)
+    try:
+        page.goto(origin + "/dashboard")
+        page.wait_for_function(
+            "() => document.getElementById('pool').dataset.mode === 'cells'", timeout=10_000
+        )
+        drawn = page.evaluate(
+            """() => {
+              const pool = document.getElementById("pool");
+              const canvas = pool.querySelector("canvas");
+              const pixels = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
+              const colors = new Set();
+              for (let i = 0; i < pixels.length; i += 4) colors.add(pixels[i] << 16 | pixels[i + 1] << 8 | pixels[i + 2]);
+              const box = canvas.getBoundingClientRect();
+              canvas.dispatchEvent(new MouseEvent("mousemove", { clientX: box.left + 1, clientY: box.top + 1 }));
+              return { ...pool.dataset, tiles: pool.querySelectorAll(".block").length,
+                       width: canvas.width, height: canvas.height, colors: colors.size,
+                       info: pool.querySelector(".pool-info").textContent,
+                       ttft: Number(document.getElementById("chart-ttft").dataset.points),
+                       tps: Number(document.getElementById("chart-tps").dataset.points) };
+            }"""
+        )
+        assert drawn["tiles"] == 0 and drawn["height"] <= 320
+        assert (
+            int(drawn["used"]) == big_truth["used"] and int(drawn["cached"]) == big_truth["cached"]
+        )
+        assert int(drawn["owners"]) == big_truth["owners"] == 64
+        assert int(drawn["perCell"]) * (drawn["width"] // 8) * (drawn["height"] // 8) >= 100_000
+        assert drawn["colors"] > 20  # the owners' colours, cached, free
+        assert drawn["info"].startswith("blocks 0\u2013")
+        assert drawn["ttft"] == 4 and drawn["tps"] >= 10  # the history, before any new request
+        # The 1.5B model's pool at 64 slots still gets a square per block; 10^5 blocks, cells.
+        layouts = page.evaluate("() => [25413, 100000].map((n) => KVView.poolLayout(n, 700, 320))")
+        assert [(layout["mode"], layout["perCell"]) for layout in layouts] == [
+            ("blocks", 1),
+            ("cells", 29),
+        ]
+        assert layouts[0]["rows"] * layouts[0]["px"] <= 320 and layouts[0]["px"] >= 2
+
+        streams[0] = small
+        page.click("#connect")
+        page.wait_for_function(
+            "() => document.getElementById('pool').dataset.mode === 'tiles'", timeout=10_000
+        )
+        assert page.evaluate("() => document.querySelectorAll('#pool .block').length") == 512
+        owned = page.evaluate(
+            "() => document.querySelectorAll('#pool .block[data-owner]:not([data-owner=\"\"])').length"
+        )
+        assert owned == small_truth["used"]
+    finally:
+        context.close()
+    assert errors == [], errors
+
+
+def test_the_model_picker_lists_the_models_and_switches_the_stream(
+    browser: Any,  # noqa: F811
+) -> None:
+    """With two models listed by /v1/models, the page (opened with ?model=) shows them in a
+    picker and reads that model's stream, sending the API key to both; picking the other
+    reconnects with ?model= and rewrites the address; with one model listed there is no picker
+    and the stream is asked without ?model=."""
+    from kvserve.server.dashboard import dashboard_html
+
+    origin = "http://kvserve.test"
+    big, _ = recorded_stream(100_000, 64)
+    small, small_truth = recorded_stream(512, 4)
+    streams = {"qwen2.5-coder:1.5b": big, "smol": small}
+    listed = [{"id": name, "object": "model", "owned_by": "kvserve"} for name in streams]
+    asked: list[tuple[str, str | None]] = []
+
+    def answer(route: Any) -> None:
+        request = route.request
+        url = request.url
+        asked.append((url, request.headers.get("authorization")))
+        if url.startswith(origin + "/dashboard"):
+            route.fulfill(status=200, content_type="text/html", body=dashboard_html())
+        elif url == origin + "/v1/models":
+            route.fulfill(status=200, json={"object": "list", "data": listed})
+        elif url.startswith(origin + "/v1/engine/events"):
+            query = parse_qs(urlparse(url).query)
+            name = query.get("model", ["qwen2.5-coder:1.5b"])[0]
+            route.fulfill(status=200, content_type="text/event-stream", body=streams[name])
+        else:
+            route.abort()
+
+    context = browser.new_context(viewport={"width": 1400, "height": 1050})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.route("**/*", answer)
+    try:
+        page.goto(origin + "/dashboard?model=qwen2.5-coder%3A1.5b#key=sesame")
+        page.wait_for_function(
+            "() => document.getElementById('pool').dataset.mode === 'cells'", timeout=10_000
+        )
+        drawn = page.evaluate(
+            """() => ({ picker: !document.getElementById("model-picker").hidden,
+                       options: [...document.querySelectorAll("#model option")].map((o) => o.value),
+                       picked: document.getElementById("model").value,
+                       model: document.body.dataset.model })"""
+        )
+        assert drawn["picker"] and drawn["options"] == list(streams)
+        assert drawn["picked"] == drawn["model"] == "qwen2.5-coder:1.5b"
+        events_asked = [(url, key) for url, key in asked if "/v1/engine/events" in url]
+        assert events_asked == [
+            (origin + "/v1/engine/events?model=qwen2.5-coder%3A1.5b", "Bearer sesame")
+        ]
+        assert (origin + "/v1/models", "Bearer sesame") in asked
+
+        page.select_option("#model", "smol")
+        page.wait_for_function(
+            "() => document.getElementById('pool').dataset.mode === 'tiles'", timeout=10_000
+        )
+        assert page.evaluate("() => document.querySelectorAll('#pool .block').length") == 512
+        owned = page.evaluate(
+            "() => document.querySelectorAll('#pool .block[data-owner]:not([data-owner=\"\"])').length"
+        )
+        assert owned == small_truth["used"]
+        assert page.evaluate("() => location.search + location.hash") == "?model=smol#key=sesame"
+        assert asked[-1] == (origin + "/v1/engine/events?model=smol", "Bearer sesame")
+
+        # One model: no picker, and the stream without ?model= (the server's default).
+        listed[1:] = []
+        asked.clear()
+        page.goto(origin + "/dashboard")
+        page.wait_for_function(
+            "() => document.getElementById('pool').dataset.mode === 'cells'", timeout=10_000
+        )
+        assert page.evaluate("() => document.getElementById('model-picker').hidden")
+        assert [url for url, _ in asked if "/v1/engine/events" in url] == [
+            origin + "/v1/engine/events"
+        ]
+    finally:
+        context.close()
+    assert errors == [], errors

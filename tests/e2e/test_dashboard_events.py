@@ -17,6 +17,7 @@ import pytest
 
 from kvserve.bench.loadgen import BenchConfig, BenchResult, build_prompts, run_benchmark
 from kvserve.config import ServerConfig
+from kvserve.engine.pool_events import PoolMirror
 from tests.e2e.conftest import scrape
 
 pytestmark = pytest.mark.slow
@@ -30,10 +31,13 @@ SEED = 7
 
 
 class EventReader:
-    """Reads the event stream in a thread: every event parsed, and the raw text kept."""
+    """Reads the event stream in a thread: every event parsed, and the raw text kept. Each
+    event gains `blocks`: the pool as its viewer pictures it then (`PoolMirror`), each owner's
+    held blocks, the shared blocks' counts and the cached-free blocks."""
 
     def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
         self.events: list[dict] = []
+        self.mirror = PoolMirror()
         self.raw: list[str] = []
         self.status: int | None = None
         self._lock = threading.Lock()
@@ -51,7 +55,14 @@ class EventReader:
                 with self._lock:
                     self.raw.append(line)
                     if line.startswith("data: "):
-                        self.events.append(json.loads(line.removeprefix("data: ")))
+                        event = json.loads(line.removeprefix("data: "))
+                        self.mirror.apply(event)
+                        event["blocks"] = {
+                            "tables": {o: self.mirror.held(o) for o in self.mirror.tables},
+                            "shared": dict(self.mirror.shared),
+                            "cached_free": sorted(self.mirror.cached_free),
+                        }
+                        self.events.append(event)
 
     def snapshot(self) -> list[dict]:
         with self._lock:
@@ -110,7 +121,7 @@ def metrics_state(server) -> dict[str, int]:
 
 
 def event_state(event: dict) -> dict[str, int]:
-    blocks = {block for table in event["pool"]["tables"].values() for block in table}
+    blocks = {block for table in event["blocks"]["tables"].values() for block in table}
     assert len(blocks) == event["pool"]["num_used"], "the tables and the used count disagree"
     busy = [slot for slot in event["slots"] if slot is not None]
     assert len(busy) == event["num_running"]
@@ -286,17 +297,51 @@ class Untouchable:
         raise AssertionError(f"read {name!r} with no viewer connected")
 
 
-def test_with_no_viewer_the_hooks_read_nothing() -> None:
+def test_with_no_viewer_the_hooks_read_nothing_but_the_history_counts_tokens() -> None:
+    from types import SimpleNamespace
+
     from kvserve.engine.events import EngineEvents
 
     events = EngineEvents()
     touch = Untouchable()
     events.on_admitted(touch)
-    events.on_token(touch, 0.0)
     events.on_finished(touch)
     events.on_rejected("queue_full")
     events.on_step(touch, 0.01)
+    # A token is counted in the history (for a viewer's charts later), and nothing else.
+    arrived = SimpleNamespace(last_token_at=None, request=SimpleNamespace(arrival_time=10.0))
+    events.on_token(arrived, 10.25, 1)
     assert events.num_events == 0 and events.num_viewers == 0
+    assert events.history.to_json(12.0)["ttft_ms"] == [[10.25, 250]]
+
+
+def test_a_viewer_that_connects_after_requests_ended_sees_their_first_tokens(
+    server_factory, engine_config, until
+) -> None:
+    server = server_factory(engine_config(max_num_seqs=NUM_SLOTS))
+    engine = server.state.engine
+    try:
+        for index in range(3):
+            reply = httpx.post(
+                server.url + "/v1/completions",
+                json={"prompt": f"Story {index}:", "max_tokens": 4, "ignore_eos": True},
+                timeout=120,
+            )
+            assert reply.status_code == 200
+        until(lambda: server.call(engine.is_idle))
+        time.sleep(1.0)  # the last tokens' second is a whole one
+        reader = EventReader(server.url)
+        try:
+            snapshot = reader.wait_for(lambda e: True)
+        finally:
+            reader.close()
+        history = snapshot["history"]
+        assert len(history["ttft_ms"]) == 3
+        assert all(0 < ms < 120_000 for _, ms in history["ttft_ms"])
+        assert all(when <= snapshot["time"] for when, _ in history["ttft_ms"])
+        assert sum(tokens for _, tokens in history["tokens"]) == 12
+    finally:
+        server.stop()
 
 
 def test_shared_and_cached_blocks_are_marked(server_factory, engine_config, until) -> None:
@@ -320,21 +365,21 @@ def test_shared_and_cached_blocks_are_marked(server_factory, engine_config, unti
         ask(2)
         until(lambda: server.call(engine.is_idle))
         # Released, its prompt's full blocks stay cached, owned by nobody.
-        cached = reader.wait_for(lambda e: e["pool"]["cached_free"] and e["num_running"] == 0)
-        assert cached["pool"]["num_used"] == 0 and cached["pool"]["tables"] == {}
+        cached = reader.wait_for(lambda e: e["blocks"]["cached_free"] and e["num_running"] == 0)
+        assert cached["pool"]["num_used"] == 0 and cached["blocks"]["tables"] == {}
         # Two at once: the second takes the first's cached blocks, and they share them.
         threads = [threading.Thread(target=ask, args=(40,)) for _ in range(2)]
         for thread in threads:
             thread.start()
-        shared = reader.wait_for(lambda e: e["num_running"] == 2 and e["pool"]["shared"])
-        tables = shared["pool"]["tables"]
+        shared = reader.wait_for(lambda e: e["num_running"] == 2 and e["blocks"]["shared"])
+        tables = shared["blocks"]["tables"]
         first_id, second_id = (slot["request_id"] for slot in shared["slots"] if slot)
         both = set(tables[first_id]) & set(tables[second_id])
         # Every owner counts: until its copy has run, a request that continues a published
         # tail also holds that tail block under a second owner (its copy source).
         held = Counter(block_id for table in tables.values() for block_id in table)
         assert both and all(held[block_id] == 2 for block_id in both)
-        marked = {int(block_id): count for block_id, count in shared["pool"]["shared"].items()}
+        marked = shared["blocks"]["shared"]
         assert marked == {block_id: count for block_id, count in held.items() if count > 1}
         assert all(count == 2 for count in marked.values())
         for thread in threads:
