@@ -6,9 +6,9 @@ then at most ten coalesced updates a second. It is protected by `--api-key` like
 route. A viewer that stops reading is dropped by the engine side (its buffer is bounded) and its
 connection is then cut here.
 
-The dashboard is one self-contained page (no CDN; its only requests are `/v1/models`, for the model picker, and the event stream) drawn
-with the components the simulator's page uses (kvserve/view). It reads the engine and changes
-nothing in it; pausing it only stops drawing in the browser. The page itself holds no data, so
+The dashboard is one self-contained page (no CDN; its only requests are `/v1/models`, for the
+model picker, and the event stream) drawn with the components the simulator's page uses
+(kvserve/view). It reads the engine and changes nothing in it; pausing it only stops drawing in the browser. The page itself holds no data, so
 it is open like /health; it sends the API key it is given to the event stream.
 """
 
