@@ -112,9 +112,11 @@ class EngineObserver(EmbeddingObserver):
 
     def on_step(self, plan: StepPlan, seconds: float) -> None: ...
 
-    def on_speculated(self, state: RequestState, num_drafted: int, num_accepted: int) -> None:
-        """One of the request's answers verified `num_drafted` guesses and accepted the first
-        `num_accepted` of them."""
+    def on_speculated(
+        self, state: RequestState, num_drafted: int, num_accepted: int, seq_id: str = ""
+    ) -> None:
+        """One of the request's answers (the sequence `seq_id`) verified `num_drafted` guesses
+        and accepted the first `num_accepted` of them."""
 
 
 class Observers(EngineObserver):
@@ -147,9 +149,11 @@ class Observers(EngineObserver):
         for observer in self.observers:
             observer.on_step(plan, seconds)
 
-    def on_speculated(self, state: RequestState, num_drafted: int, num_accepted: int) -> None:
+    def on_speculated(
+        self, state: RequestState, num_drafted: int, num_accepted: int, seq_id: str = ""
+    ) -> None:
         for observer in self.observers:
-            observer.on_speculated(state, num_drafted, num_accepted)
+            observer.on_speculated(state, num_drafted, num_accepted, seq_id)
 
     def on_embedding_finished(self, job: EmbeddingJob) -> None:
         for observer in self.observers:
@@ -839,7 +843,7 @@ class Engine:
                     continue
                 if speculated is not None:
                     self.observer.on_speculated(
-                        state, speculated.num_drafted, speculated.num_accepted
+                        state, speculated.num_drafted, speculated.num_accepted, seq_id
                     )
                 tokens, text, ended = self._take_tokens(
                     answer, sampled if speculated else (sampled,)

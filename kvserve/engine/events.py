@@ -38,7 +38,7 @@ from kvserve.engine.engine import EngineObserver
 from kvserve.engine.pool_events import PoolTracker
 
 if TYPE_CHECKING:
-    from kvserve.core import StepPlan
+    from kvserve.core import ChunkPlan, StepPlan
     from kvserve.engine.embedding import EmbeddingJob
     from kvserve.engine.engine import Engine, RequestState
 
@@ -270,6 +270,16 @@ class History:
         return {"seconds": self.seconds, "tokens": tokens, "itl_ms": itl, "ttft_ms": ttft}
 
 
+def _step_chunk(chunk: ChunkPlan, kept: dict[str, int]) -> list[Any]:
+    """A chunk of a step as the page draws it: `[request_id, rows, is_prefill]`; a speculative
+    chunk adds its guesses (the last rows) and how many of them were kept (None when the
+    sequence ended in that step before its verification was applied)."""
+    entry: list[Any] = [chunk.request_id, chunk.num_tokens, chunk.is_prefill]
+    if chunk.is_speculative:
+        entry += [len(chunk.draft_token_ids), kept.get(chunk.request_id)]
+    return entry
+
+
 class EngineEvents(EngineObserver):
     """The engine observer behind `GET /v1/engine/events`: records while viewers are
     connected, coalesces to at most `max_rate` events a second, drops viewers that fall
@@ -300,6 +310,7 @@ class EngineEvents(EngineObserver):
 
     def _reset(self) -> None:
         self._steps: deque[list[Any]] = deque(maxlen=MAX_STEPS_PER_EVENT)
+        self._kept: dict[str, int] = {}  # this step's verified sequences: guesses kept
         self._admitted: list[dict[str, Any]] = []
         self._finished: list[dict[str, Any]] = []
         self._refused: list[dict[str, Any]] = []
@@ -477,14 +488,21 @@ class EngineEvents(EngineObserver):
         self._embedding_inputs += num_inputs
         self._soon()
 
+    def on_speculated(
+        self, state: RequestState, num_drafted: int, num_accepted: int, seq_id: str = ""
+    ) -> None:
+        if self._viewers:
+            self._kept[seq_id or state.request_id] = num_accepted
+
     def on_step(self, plan: StepPlan, seconds: float) -> None:
         if not self._viewers:
             return
+        kept, self._kept = self._kept, {}
         self._steps.append(
             [
                 plan.step,
                 round(1000 * seconds, 2),
-                [[c.request_id, c.num_tokens, c.is_prefill] for c in plan.chunks],
+                [_step_chunk(c, kept) for c in plan.chunks],
             ]
         )
         if time.monotonic() - self._last_sent >= self.min_interval:

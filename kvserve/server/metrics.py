@@ -498,7 +498,9 @@ class ModelMetrics(EngineObserver):
             self._m.kv_window_blocks_freed.labels(self.label).inc(freed - self._window_blocks_seen)
             self._window_blocks_seen = freed
 
-    def on_speculated(self, state: RequestState, num_drafted: int, num_accepted: int) -> None:
+    def on_speculated(
+        self, state: RequestState, num_drafted: int, num_accepted: int, seq_id: str = ""
+    ) -> None:
         self._m.spec_decode_num_drafts.labels(self.label).inc()
         self._m.spec_decode_num_draft_tokens.labels(self.label).inc(num_drafted)
         self._m.spec_decode_num_accepted_tokens.labels(self.label).inc(num_accepted)

@@ -353,14 +353,17 @@ const KVView = (() => {
     box.replaceChildren();
     const texts = [];
     for (const row of rows) {
+      // A speculative decode chunk: its last `guesses` rows are guessed tokens under verification.
+      const guesses = row.guesses || 0;
       for (let k = 0; k < row.num_tokens; k++) {
-        box.append(el("div", { class: row.is_prefill ? "row prefill" : "row decode",
+        const kind = row.is_prefill ? "prefill" : k >= row.num_tokens - guesses ? "guess" : "decode";
+        box.append(el("div", { class: `row ${kind}`,
                                "data-request": row.request_id,
-                               "data-kind": row.is_prefill ? "prefill" : "decode",
+                               "data-kind": kind,
                                style: `background:${colorOf(row.request_id)}`,
                                title: row.start === undefined ? view.label(row.request_id)
                                                               : `${row.request_id} position ${row.start + k}`,
-                               text: row.is_prefill ? "P" : "D" }));
+                               text: { prefill: "P", decode: "D", guess: "G" }[kind] }));
       }
       if (row.is_prefill) {
         const name = view.label(row.request_id);
@@ -368,6 +371,9 @@ const KVView = (() => {
           ? `${name} prefill ${row.num_tokens} positions`
           : `${name} prefill positions ${row.start}\u2013${row.start + row.num_tokens - 1}` +
             (row.samples ? " (prompt done: first token)" : ""));
+      } else if (guesses) {
+        const kept = row.kept === null || row.kept === undefined ? "not verified" : `${row.kept} kept`;
+        texts.push(`${view.label(row.request_id)} decode + ${guesses} guesses (${kept})`);
       } else texts.push(`${view.label(row.request_id)} decode`);
     }
     const used = rows.reduce((sum, row) => sum + row.num_tokens, 0);

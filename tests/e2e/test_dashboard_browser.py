@@ -1,6 +1,7 @@
 """The live dashboard in headless Chromium against a running server under the load generator's
 load: it shows as many busy slots as /metrics reports, a burst past the queue shows its 429s in
-the event log, pausing freezes the drawing, and the page reaches nothing but its own server.
+the event log, pausing freezes the drawing, speculative steps' guessed rows are outlined, and
+the page reaches nothing but its own server.
 
 With KVSERVE_UPDATE_SCREENSHOTS=1 the busy page is saved as docs/dashboard.png (the README's
 picture)."""
@@ -8,6 +9,7 @@ picture)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import os
 import threading
@@ -22,6 +24,7 @@ import numpy
 import pytest
 from PIL import Image
 
+from kvserve.config import SpeculativeConfig
 from tests.e2e.conftest import scrape
 from tests.e2e.test_dashboard_events import run_load
 from tests.sim.browser import browser  # noqa: F401  (a fixture)
@@ -61,9 +64,12 @@ def test_the_dashboard_draws_the_live_engine(
     browser: Any,  # noqa: F811
     until,
 ) -> None:
-    server = server_factory(
-        engine_config(max_num_seqs=NUM_SLOTS, max_queue_per_slot=QUEUE_PER_SLOT)
+    # Prompt-lookup speculation on, so the strip also shows verification rows.
+    config = dataclasses.replace(
+        engine_config(max_num_seqs=NUM_SLOTS, max_queue_per_slot=QUEUE_PER_SLOT),
+        speculative=SpeculativeConfig(num_speculative_tokens=4),
     )
+    server = server_factory(config)
     engine = server.state.engine
     context = browser.new_context(viewport={"width": 1400, "height": 1050})
     page = context.new_page()
@@ -173,6 +179,19 @@ def test_the_dashboard_draws_the_live_engine(
             thread.join(120)
         assert results[0].num_completed == NUM_PROMPTS
         assert sorted(statuses) == [200] + [429] * (BURST - 1)
+        # A prompt that repeats itself: its steps verify guessed rows, outlined in the strip
+        # with the number the step kept.
+        reply = httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": "1, 2, 3, " * 12, "max_tokens": 24, "temperature": 0},
+            timeout=120,
+        )
+        assert reply.status_code == 200
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('#strip rect.guess')]"
+            ".some((r) => / \\d+ guesses \\(\\d+ kept\\)/.test(r.textContent))",
+            timeout=10_000,
+        )
         until(lambda: server.call(engine.is_idle))
         page.wait_for_function(
             "() => document.getElementById('summary').dataset.running === '0'"

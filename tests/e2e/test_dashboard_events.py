@@ -204,7 +204,7 @@ def test_events_agree_with_metrics_under_load_and_carry_no_prompt(
     in_slots = {s["request_id"] for e in events for s in e["slots"] if s is not None}
     assert in_slots <= set(admitted)
     steps = [step for e in events[1:] for step in e["steps"]]
-    assert {request_id for step in steps for request_id, _, _ in step[2]} == set(admitted)
+    assert {request_id for step in steps for request_id, *_ in step[2]} == set(admitted)
     assert sum(e["num_tokens"] for e in events[1:]) == sum(
         entry["num_output_tokens"] for entry in finished.values()
     )

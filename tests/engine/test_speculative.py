@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from kvserve.config import SchedulerConfig, SpeculativeConfig
 from kvserve.core import BlockPool, KVManager, Prompt, Scheduler, make_sequences
 from kvserve.engine.batch import Batch
 from kvserve.engine.engine import EngineObserver
+from kvserve.engine.events import EngineEvents
 from kvserve.engine.sampler import RowState, Sampler
 from kvserve.params import SamplingParams, StructuredOutput
 from tests.engine.helpers import make_config, request, run_engine
@@ -33,10 +35,12 @@ class Drafts(EngineObserver):
     def __init__(self) -> None:
         self.drafted = 0
         self.accepted = 0
+        self.verified: list[tuple[str, int]] = []  # (sequence, guesses kept) per verification
 
-    def on_speculated(self, state, num_drafted: int, num_accepted: int) -> None:
+    def on_speculated(self, state, num_drafted: int, num_accepted: int, seq_id: str = "") -> None:
         self.drafted += num_drafted
         self.accepted += num_accepted
+        self.verified.append((seq_id, num_accepted))
 
 
 def _requests(tokenizer):
@@ -65,11 +69,17 @@ def _requests(tokenizer):
 
 
 def _run(loaded, speculative):
+    """Answers, steps, idleness, the verifications seen, and the dashboard's step rows (every
+    step's chunks as the event stream sent them)."""
     observer = Drafts()
+    # The dashboard's stream, watched: an event per step, nothing dropped.
+    events = EngineEvents(max_rate=10_000, buffer_size=100_000)
     config = dataclasses.replace(make_config(slots=8, blocks=96), speculative=speculative)
 
     async def body(engine):
-        engine.observer.observers = (*engine.observer.observers, observer)
+        engine.observer.observers = (*engine.observer.observers, observer, events)
+        events.bind(engine)
+        viewer = events.connect()
         requests = _requests(loaded.tokenizer)
         streams = {name: engine.submit(req) for name, req in requests.items()}
         answers = {}
@@ -85,15 +95,22 @@ def _run(loaded, speculative):
                     answer["finish"] = d.finish_reason
             answers[name] = by_index
         await asyncio.sleep(0)
-        return answers, engine.num_steps, engine.is_idle()
+        events.flush()
+        viewer.close()
+        sent = [json.loads(text) for batch in [await viewer.next_batch()] for text in batch]
+        rows = {step[0]: step[2] for e in sent if e["type"] == "update" for step in e["steps"]}
+        return answers, engine.num_steps, engine.is_idle(), rows
 
-    answers, steps, idle = run_engine(loaded, config, body)
-    return answers, steps, idle, observer
+    answers, steps, idle, rows = run_engine(loaded, config, body)
+    assert len(rows) == steps  # every step the engine ran reached the viewer
+    return answers, steps, idle, observer, rows
 
 
 def test_answers_are_unchanged_in_a_mixed_batch(loaded_fp32):
-    plain, plain_steps, _, _ = _run(loaded_fp32, None)
-    spec, spec_steps, idle, drafts = _run(loaded_fp32, SpeculativeConfig(num_speculative_tokens=4))
+    plain, plain_steps, _, _, plain_rows = _run(loaded_fp32, None)
+    spec, spec_steps, idle, drafts, spec_rows = _run(
+        loaded_fp32, SpeculativeConfig(num_speculative_tokens=4)
+    )
     assert idle
     for name in plain:
         for index, answer in plain[name].items():
@@ -110,6 +127,16 @@ def test_answers_are_unchanged_in_a_mixed_batch(loaded_fp32):
     # It did speculate, and guesses were accepted: fewer steps for the same answers.
     assert drafts.accepted > 0 and drafts.drafted > drafts.accepted
     assert spec_steps < plain_steps
+    # The dashboard marks each verifying chunk: its guesses (its last rows) and how many of
+    # them the step kept, the same verifications the engine reported.
+    assert all(len(chunk) == 3 for chunks in plain_rows.values() for chunk in chunks)
+    marked = [chunk for chunks in spec_rows.values() for chunk in chunks if len(chunk) == 5]
+    assert marked and all(
+        not prefill and 1 <= guesses == rows - 1 for _, rows, prefill, guesses, _ in marked
+    )
+    verified = [(seq, kept) for seq, _, _, _, kept in marked if kept is not None]
+    assert sorted(verified) == sorted(drafts.verified)
+    assert all(0 <= kept <= guesses for _, _, _, guesses, kept in marked if kept is not None)
 
 
 def test_a_draft_model_config_is_refused_at_start(loaded_fp32):
