@@ -76,7 +76,9 @@ class Cluster:
         return scrape(SimpleNamespace(url=self.all_replicas()[replica_id]["url"]))
 
 
-@pytest.fixture(scope="session")
+# Package scope: Ray and its replicas go when the cluster tests end (idle, they still take a
+# quarter of two cores and 3 GB, which the rest of the suite needs).
+@pytest.fixture(scope="package")
 def cluster(tmp_path_factory) -> Iterator[Cluster]:
     import ray
     from ray import serve
