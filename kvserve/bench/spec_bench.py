@@ -49,7 +49,7 @@ class _Counts:
         self.drafted = [0] * 16
         self.accepted = [0] * 16
 
-    def on_speculated(self, state, num_drafted: int, num_accepted: int, seq_id: str = "") -> None:
+    def on_speculated(self, state, num_drafted: int, num_accepted: int, seq_id: str) -> None:
         for position in range(num_drafted):
             self.drafted[position] += 1
             self.accepted[position] += position < num_accepted

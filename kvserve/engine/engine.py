@@ -113,7 +113,7 @@ class EngineObserver(EmbeddingObserver):
     def on_step(self, plan: StepPlan, seconds: float) -> None: ...
 
     def on_speculated(
-        self, state: RequestState, num_drafted: int, num_accepted: int, seq_id: str = ""
+        self, state: RequestState, num_drafted: int, num_accepted: int, seq_id: str
     ) -> None:
         """One of the request's answers (the sequence `seq_id`) verified `num_drafted` guesses
         and accepted the first `num_accepted` of them."""
@@ -150,7 +150,7 @@ class Observers(EngineObserver):
             observer.on_step(plan, seconds)
 
     def on_speculated(
-        self, state: RequestState, num_drafted: int, num_accepted: int, seq_id: str = ""
+        self, state: RequestState, num_drafted: int, num_accepted: int, seq_id: str
     ) -> None:
         for observer in self.observers:
             observer.on_speculated(state, num_drafted, num_accepted, seq_id)

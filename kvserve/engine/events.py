@@ -489,10 +489,10 @@ class EngineEvents(EngineObserver):
         self._soon()
 
     def on_speculated(
-        self, state: RequestState, num_drafted: int, num_accepted: int, seq_id: str = ""
+        self, state: RequestState, num_drafted: int, num_accepted: int, seq_id: str
     ) -> None:
         if self._viewers:
-            self._kept[seq_id or state.request_id] = num_accepted
+            self._kept[seq_id] = num_accepted
 
     def on_step(self, plan: StepPlan, seconds: float) -> None:
         if not self._viewers:

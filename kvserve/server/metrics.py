@@ -499,7 +499,7 @@ class ModelMetrics(EngineObserver):
             self._window_blocks_seen = freed
 
     def on_speculated(
-        self, state: RequestState, num_drafted: int, num_accepted: int, seq_id: str = ""
+        self, state: RequestState, num_drafted: int, num_accepted: int, seq_id: str
     ) -> None:
         self._m.spec_decode_num_drafts.labels(self.label).inc()
         self._m.spec_decode_num_draft_tokens.labels(self.label).inc(num_drafted)

@@ -37,7 +37,7 @@ class Drafts(EngineObserver):
         self.accepted = 0
         self.verified: list[tuple[str, int]] = []  # (sequence, guesses kept) per verification
 
-    def on_speculated(self, state, num_drafted: int, num_accepted: int, seq_id: str = "") -> None:
+    def on_speculated(self, state, num_drafted: int, num_accepted: int, seq_id: str) -> None:
         self.drafted += num_drafted
         self.accepted += num_accepted
         self.verified.append((seq_id, num_accepted))
@@ -97,7 +97,7 @@ def _run(loaded, speculative):
         await asyncio.sleep(0)
         events.flush()
         viewer.close()
-        sent = [json.loads(text) for batch in [await viewer.next_batch()] for text in batch]
+        sent = [json.loads(text) for text in await viewer.next_batch()]
         rows = {step[0]: step[2] for e in sent if e["type"] == "update" for step in e["steps"]}
         return answers, engine.num_steps, engine.is_idle(), rows
 

@@ -132,9 +132,9 @@ def test_speculation_is_counted_under_vllms_names():
     metrics = ServerMetrics()
     observer = _served(metrics)
     assert _samples(metrics)[("kvserve:spec_decode_num_drafts_total", M)] == 0
-    observer.on_speculated(None, 4, 2)
-    observer.on_speculated(None, 3, 0)
-    observer.on_speculated(None, 2, 2)
+    observer.on_speculated(None, 4, 2, "req-0")
+    observer.on_speculated(None, 3, 0, "req-0")
+    observer.on_speculated(None, 2, 2, "req-0")
     samples = _samples(metrics)
     assert samples[("kvserve:spec_decode_num_drafts_total", M)] == 3
     assert samples[("kvserve:spec_decode_num_draft_tokens_total", M)] == 9
