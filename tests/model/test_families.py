@@ -488,11 +488,13 @@ def test_4bit_blocks_follow_float32(family, kernels, tokenizer_fields):
     )
     loaded = load_model(str(path), DeviceConfig(device="cpu", dtype="float32", quantization="q4"))
     assert loaded.model.quantization == "q4"
+    # The reference is the same file's blocks dequantized to float32: what is measured is the
+    # kernel (its 8-bit activations), not Q4_0's own rounding of random weights (which alone
+    # leaves a centered cosine of about 0.91-0.99 to the float32 file on these models).
+    exact = load_model(str(path), DeviceConfig(device="cpu", dtype="float32", quantization="none"))
+    assert exact.model.quantization == "none"
     for ids in family.prompts:
-        assert (
-            centered_cosine(all_logits(family.gguf.model, ids), all_logits(loaded.model, ids))
-            > 0.99
-        )
+        assert centered_cosine(all_logits(exact.model, ids), all_logits(loaded.model, ids)) > 0.999
 
 
 def test_the_int8_kv_cache_refuses_windowed_and_soft_capped_models(family):
