@@ -87,6 +87,11 @@ from kvserve.core.spec import Acceptance, propose_ngram
 Proposer = Callable[[Sequence, int], Seq[int]]
 """Guesses for a decoding sequence: (the sequence, at most how many) -> the guessed tokens."""
 
+BatchProposer = Callable[[Seq[tuple[Sequence, int]]], Seq[Seq[int]]]
+"""Guesses for several decoding sequences at once (a draft model batches them): [(the sequence,
+how many)] -> the guessed tokens of each. Their blocks are grown before it is called, since it
+writes KV (the draft's) at the guessed positions."""
+
 RUNNING = SequenceStatus.RUNNING
 PREEMPTED = SequenceStatus.PREEMPTED
 
@@ -129,6 +134,7 @@ class Scheduler:
         *,
         speculative: SpeculativeConfig | None = None,
         proposer: Proposer | None = None,
+        batch_proposer: BatchProposer | None = None,
     ) -> None:
         if max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
@@ -151,6 +157,7 @@ class Scheduler:
         if proposer is None and speculative is not None and speculative.method == "ngram":
             proposer = self._ngram
         self._propose = proposer
+        self._propose_batch = batch_proposer
 
     def _ngram(self, seq: Sequence, num_tokens: int) -> tuple[int, ...]:
         """Prompt lookup over the sequence's known tokens (nothing when only counts are known)."""
@@ -520,7 +527,7 @@ class Scheduler:
         """Guesses for the decoding sequences that got their row (the rule in the module
         docstring); `budget` is the rows left in the step."""
         spec = self._spec
-        if spec is None or self._propose is None:
+        if spec is None or (self._propose is None and self._propose_batch is None):
             return {}
         decoding = [
             seq
@@ -530,6 +537,7 @@ class Scheduler:
         if not decoding or len(decoding) > spec.disable_by_batch_size:
             return {}
         drafts: dict[str, tuple[int, ...]] = {}
+        wanting: list[tuple[Sequence, int]] = []
         for seq in decoding:
             if budget < 1:
                 break
@@ -541,6 +549,15 @@ class Scheduler:
             limit = min(wanted, seq.num_remaining - 1, self._max_model_len - seq.num_tokens, budget)
             if limit < 1:
                 continue
+            if self._propose_batch is not None:
+                # Blocks first (its table and the free pool only): the proposer writes there.
+                fit = self._kv.coverable(seq.seq_id) - seq.num_computed - 1
+                limit = min(limit, fit)
+                if limit < 1 or not self._kv.grow(seq.seq_id, seq.num_computed + 1 + limit):
+                    continue
+                wanting.append((seq, limit))
+                budget -= limit
+                continue
             guesses = tuple(self._propose(seq, limit))[:limit]
             # Blocks for the guesses come from its table and the free pool only.
             fit = self._kv.coverable(seq.seq_id) - seq.num_computed - 1
@@ -549,6 +566,12 @@ class Scheduler:
                 continue
             drafts[seq.seq_id] = guesses
             budget -= len(guesses)
+        if wanting:
+            proposed = self._propose_batch(wanting)
+            for (seq, limit), guesses in zip(wanting, proposed, strict=True):
+                guesses = tuple(guesses)[:limit]
+                if guesses:
+                    drafts[seq.seq_id] = guesses
         return drafts
 
     def _on_schedule(self) -> None:
@@ -598,6 +621,7 @@ class Scheduler:
                 continue
             seq.status = PREEMPTED
             seq.num_computed = 0
+            seq.draft_len = 0
             seq.num_preemptions += 1
             preempted_ids.append(seq.seq_id)
             resumable.append(seq)

@@ -99,6 +99,9 @@ class Sequence:
     num_preemptions: int = 0
     speculate: bool = True  # False: the request opted out of speculative decoding
     acceptance: Acceptance | None = None  # its speculation record, once it first speculates
+    # Positions whose KV the draft model has computed (speculative decoding by a draft model;
+    # valid below `num_computed`, reset by a preemption: kvserve/engine/draft.py).
+    draft_len: int = 0
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -136,12 +136,14 @@ def choose_pool_size(
     max_model_len: int,
     num_kv_blocks: int | None = None,
     kv_cache_memory: int | float | None = None,
+    draft_bytes_per_block: int = 0,
 ) -> PoolSize:
     """Size the pool by memory: an explicit block count wins; else `kv_cache_memory`, bytes (an
     int) or a fraction of the memory available now (a float in (0, 1]); by default 90% of the
     free memory on CUDA, 50% of the available host memory on CPU. Neither fraction takes more
-    than every slot could ever fill (`max_num_seqs` full contexts)."""
-    per_block = bytes_per_block(config, block_size, dtype)
+    than every slot could ever fill (`max_num_seqs` full contexts). `draft_bytes_per_block`: a
+    draft model's cache of the same blocks (speculative decoding), counted in every block."""
+    per_block = bytes_per_block(config, block_size, dtype) + draft_bytes_per_block
     if num_kv_blocks is not None:
         return PoolSize(num_kv_blocks, block_size, per_block, "--num-kv-blocks")
     if isinstance(kv_cache_memory, int):
