@@ -72,12 +72,19 @@ from kvserve.core import (
 )
 from kvserve.core.spec import propose_ngram
 from kvserve.engine.batch import Batch, Sampled, StepOutput
+from kvserve.engine.draft import DraftProposer, check_same_vocabulary
 from kvserve.engine.embedding import Embedder, EmbeddingJob, EmbeddingObserver, decoder_embedder
 from kvserve.engine.sampler import RowState, Sampler, make_generator
 from kvserve.engine.stream import Delta, Stream, TokenLogprob, Usage
 from kvserve.engine.structured import GrammarError, GrammarState, StructuredOutputManager
 from kvserve.model import device_thread
-from kvserve.model.kv_cache import KVCache, PoolSize, choose_cache_dtype, choose_pool_size
+from kvserve.model.kv_cache import (
+    KVCache,
+    PoolSize,
+    bytes_per_block,
+    choose_cache_dtype,
+    choose_pool_size,
+)
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.params import SamplingParamsError
 from kvserve.request import (
@@ -320,15 +327,22 @@ class Engine:
         *,
         observer: EngineObserver | None = None,
         record_steps: bool = False,
+        draft: LoadedModel | None = None,
     ) -> None:
+        """`draft`: the draft model already loaded (speculative method "draft_model"; by
+        default it is loaded from the config's name or path)."""
         self.config = config
         spec = config.speculative
-        if spec is not None and spec.method != "ngram":
-            raise ValueError(
-                f"speculative method {spec.method!r} is not available in this build; "
-                'use {"method": "ngram", ...}'
-            )
         self.loaded = loaded or load_model(config.model, config.device)
+        self.draft: LoadedModel | None = None
+        if spec is not None and spec.method == "draft_model":
+            if self.loaded.config.kv_window is not None:
+                raise ValueError(
+                    "speculative decoding by a draft model needs a target without a sliding "
+                    "window on every layer (its blocks behind the window are given back)"
+                )
+            self.draft = draft or load_model(spec.model, config.device)
+            check_same_vocabulary(self.loaded.tokenizer, self.draft.tokenizer, spec.model)
         self.tokenizer = self.loaded.tokenizer
         if config.chat_template is not None:
             self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)
@@ -343,6 +357,13 @@ class Engine:
         cache_dtype, self.cache_dtype_reason = choose_cache_dtype(
             config.cache.kv_cache_dtype, self.loaded.model
         )
+        draft_dtype = None
+        draft_per_block = 0
+        if self.draft is not None:
+            draft_dtype, _ = choose_cache_dtype(config.cache.kv_cache_dtype, self.draft.model)
+            draft_per_block = bytes_per_block(
+                self.draft.config, config.cache.block_size, draft_dtype
+            )
         self.pool_size: PoolSize = choose_pool_size(
             self.model_config,
             block_size=config.cache.block_size,
@@ -352,6 +373,7 @@ class Engine:
             max_model_len=model_len,
             num_kv_blocks=config.cache.num_kv_blocks,
             kv_cache_memory=config.cache.kv_cache_memory,
+            draft_bytes_per_block=draft_per_block,
         )
         log.info(self.pool_size.describe())
         log.info("memory plan: %s", self.describe_memory())
@@ -364,6 +386,24 @@ class Engine:
             cache_dtype,
             self.loaded.device,
         )
+        self.draft_kv_cache: KVCache | None = None
+        self.drafter: DraftProposer | None = None
+        if self.draft is not None:
+            # The draft's own cache: the same block ids and tables as the target's.
+            self.draft_kv_cache = device_thread.call(
+                KVCache,
+                self.draft.config,
+                self.pool_size.num_blocks,
+                config.cache.block_size,
+                draft_dtype,
+                self.draft.device,
+            )
+            self.drafter = DraftProposer(
+                self.draft.model,
+                self.draft_kv_cache,
+                min(self.model_config.vocab_size, self.tokenizer.vocab_size),
+                config.scheduler.max_num_batched_tokens,
+            )
         self.kv_seconds = time.perf_counter() - allocating
         self.pool = BlockPool(
             self.pool_size.num_blocks,
@@ -405,7 +445,8 @@ class Engine:
             self.max_model_len,
             capacity=self._signal,
             speculative=spec,
-            proposer=self._propose if spec is not None else None,
+            proposer=self._propose if spec is not None and self.drafter is None else None,
+            batch_proposer=self._propose_by_draft if self.drafter is not None else None,
         )
         self._stopping = False
         self._loop = asyncio.get_running_loop()
@@ -445,6 +486,38 @@ class Engine:
         if guesses and entry is not None and entry[1].grammar is not None:
             guesses = guesses[: entry[1].grammar.valid_prefix(guesses)]
         return guesses
+
+    def _propose_by_draft(self, wanting: Seq[tuple[Sequence, int]]) -> list[tuple[int, ...]]:
+        """Guesses of the draft model for the decoding sequences that want some (called by the
+        scheduler while it plans, their blocks already grown): one batched run on the device
+        thread, each cut before the first token its grammar forbids."""
+        requests = []
+        # The draft's own context may be shorter than the target's: beyond it, no guesses.
+        draft_len = self.draft.config.max_position_embeddings
+        for seq, limit in wanting:
+            if seq.num_tokens + limit - 1 > draft_len:
+                continue
+            tokens = seq.all_token_ids
+            held = min(seq.draft_len, seq.num_computed)
+            requests.append((seq.seq_id, tokens, held, self.kv.table(seq.seq_id), limit))
+        try:
+            proposed = iter(device_thread.call(self.drafter.propose, requests) if requests else ())
+        except Exception:  # a failed draft costs its guesses, not the step
+            log.exception("the draft model failed; no guesses this step")
+            return [() for _ in wanting]
+        results: list[tuple[int, ...]] = []
+        for seq, limit in wanting:
+            if seq.num_tokens + limit - 1 > draft_len:
+                results.append(())
+                continue
+            guesses = next(proposed)
+            # It computed every position up to the last guess but one.
+            seq.draft_len = seq.num_tokens + limit - 1
+            entry = self._answers.get(seq.seq_id)
+            if guesses and entry is not None and entry[1].grammar is not None:
+                guesses = guesses[: entry[1].grammar.valid_prefix(guesses)]
+            results.append(guesses)
+        return results
 
     @property
     def step_log(self) -> deque[StepRecord] | None:
@@ -617,9 +690,16 @@ class Engine:
         against = (
             f" ({weights / file_bytes:.2f}x the file's {_mib(file_bytes)})" if file_bytes else ""
         )
+        pool = f"KV pool {_mib(self.pool_size.num_bytes)}"
+        total = weights + self.pool_size.num_bytes + working
+        if self.draft is not None:
+            draft_weights = self.draft.model.num_bytes
+            total += draft_weights
+            against += f" + draft weights {_mib(draft_weights)}"
+            pool += " (target + draft caches)"
         return (
-            f"weights {_mib(weights)}{against} + KV pool {_mib(self.pool_size.num_bytes)} + "
-            f"working buffers about {_mib(working)} = {_mib(weights + self.pool_size.num_bytes + working)}"
+            f"weights {_mib(weights)}{against} + {pool} + "
+            f"working buffers about {_mib(working)} = {_mib(total)}"
         )
 
     def describe_start(self) -> str:

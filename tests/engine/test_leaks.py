@@ -191,9 +191,11 @@ def test_a_real_model_drains_to_an_idle_engine_in_every_configuration(
     check_interleaving(request.getfixturevalue(configuration.model_fixture), specs)
 
 
-def check_interleaving(loaded, specs, speculative=None, *, block_size: int = 32) -> None:
+def check_interleaving(
+    loaded, specs, speculative=None, *, block_size: int = 32, draft=None
+) -> None:
     """Run `specs` together on a small engine over `loaded` (speculating with `speculative`,
-    in 8 KV blocks of `block_size`) and check the drained state and every request's ending and
+    in 8 KV blocks of `block_size`; `draft`: its draft model, loaded) and check the drained state and every request's ending and
     tokens (see the module docstring)."""
     tokenizer = loaded.tokenizer
     threads_before = set(threading.enumerate())
@@ -211,7 +213,7 @@ def check_interleaving(loaded, specs, speculative=None, *, block_size: int = 32)
     config = dataclasses.replace(config, speculative=speculative)
 
     async def main():
-        engine = Engine(config, loaded)
+        engine = Engine(config, loaded, draft=draft)
         await engine.start()
         results = await asyncio.gather(
             *(drive(engine, tokenizer, i, spec) for i, spec in enumerate(specs))

@@ -139,14 +139,6 @@ def test_answers_are_unchanged_in_a_mixed_batch(loaded_fp32):
     assert all(0 <= kept <= guesses for _, _, _, guesses, kept in marked if kept is not None)
 
 
-def test_a_draft_model_config_is_refused_at_start(loaded_fp32):
-    from kvserve.engine.engine import Engine
-
-    spec = SpeculativeConfig(method="draft_model", model="qwen2.5-coder:0.5b")
-    with pytest.raises(ValueError, match="draft_model"):
-        Engine(dataclasses.replace(make_config(), speculative=spec), loaded_fp32)
-
-
 # -- the distribution ----------------------------------------------------------------------------
 
 VOCAB = 4

@@ -1,0 +1,152 @@
+"""The draft-model proposer of speculative decoding: a smaller model of the same vocabulary
+guesses the next tokens (`{"model": NAME, "num_speculative_tokens": k}`).
+
+The draft has its own KV cache with the target's block count and block size, addressed by the
+same block ids and block tables: a block the scheduler grants a sequence covers both caches, so
+reservations, growth, rollback and release need no accounting of their own. The pool's size
+counts both (kvserve/model/kv_cache.py, `choose_pool_size`).
+
+Each sequence records how many positions the draft has computed (`Sequence.draft_len`). To
+guess k tokens for a decoding sequence of L tokens, the draft first computes its positions from
+`min(draft_len, num_computed)` to L - 1 (catching up: the whole prompt the first time, the
+last guess and the bonus token after a full accept), takes the argmax of the last row, then
+runs k - 1 single-row steps on its own guesses. It writes positions up to L + k - 2, all inside
+the blocks the scheduler grew for the verify chunk (positions up to L + k - 1). After the
+verification, positions below the new `num_computed` hold the kept tokens, so `min(draft_len,
+num_computed)` is what stays valid; a preemption resets `draft_len` to 0 (new blocks).
+
+The draft writes a sequence's positions from 0 into its own table, including blocks it shares
+with others (prefix caching, an n > 1 prompt): the same tokens at the same positions, so the
+same values; and nothing is copied in the draft cache (a sequence's first draft run recomputes
+its copied tail block itself).
+
+The guesses are the draft's argmax (a point mass), which the target's verification
+(`Sampler.verify`, the point-mass rule) keeps exact for greedy and sampled requests alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from kvserve.core.plan import ChunkPlan
+from kvserve.model.kv_cache import KVCache
+
+
+def check_same_vocabulary(target_tokenizer, draft_tokenizer, draft_name: str) -> None:
+    """Refuse (ValueError) a draft whose vocabulary differs from the target's: its size, or
+    the spelling of any token id."""
+    target_size, draft_size = target_tokenizer.vocab_size, draft_tokenizer.vocab_size
+    if target_size != draft_size:
+        raise ValueError(
+            f"draft model {draft_name!r} has a vocabulary of {draft_size} tokens, the target's "
+            f"has {target_size} (a difference of {abs(draft_size - target_size)}): speculative "
+            "decoding needs a draft of the same vocabulary"
+        )
+    target_tokens = target_tokenizer._token_bytes
+    draft_tokens = draft_tokenizer._token_bytes
+    for token_id, (mine, theirs) in enumerate(zip(target_tokens, draft_tokens, strict=True)):
+        if mine != theirs:
+            raise ValueError(
+                f"draft model {draft_name!r} has a vocabulary of {draft_size} tokens like the "
+                f"target's, but token {token_id} differs ({theirs!r} in the draft, {mine!r} in "
+                "the target): speculative decoding needs a draft of the same vocabulary"
+            )
+
+
+class DraftProposer:
+    """Guesses by the draft model; runs on the device thread (`propose`)."""
+
+    def __init__(self, model, kv_cache: KVCache, vocab_size: int, max_rows: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.vocab_size = vocab_size  # guesses stay below it (the target's token ids)
+        self.max_rows = max(1, max_rows)  # rows per catch-up forward pass
+        self.device = model.device
+
+    def _forward(self, chunks: Seq[ChunkPlan]) -> torch.Tensor:
+        """One draft forward over `chunks`; logits of each sampling chunk's last row."""
+        token_ids = [t for chunk in chunks for t in chunk.token_ids]
+        ids = torch.tensor(token_ids, dtype=torch.long).to(self.device)
+        meta = self.model.attention.build_metadata(chunks, self.block_size)
+        with torch.inference_mode():
+            logits = self.model.forward(ids, meta, self.kv_cache)
+        return logits[:, : self.vocab_size]
+
+    def propose(
+        self,
+        requests: Seq[tuple[str, Seq[int], int, tuple[int, ...], int]],
+    ) -> list[tuple[int, ...]]:
+        """Guesses for each (sequence id, its tokens, positions the draft holds, its block
+        table, how many guesses) together: one catch-up pass (split at `max_rows` rows), then
+        one batched single-row pass per further guess."""
+        guesses: list[list[int]] = [[] for _ in requests]
+        # Catch-up: every sequence's missing positions, up to its last token.
+        starts = [min(held, len(tokens) - 1) for _, tokens, held, _, _ in requests]
+        pending = list(range(len(requests)))
+        while pending:
+            chunks: list[ChunkPlan] = []
+            owners: list[int] = []
+            rows = 0
+            still: list[int] = []
+            for index in pending:
+                seq_id, tokens, _, table, _ = requests[index]
+                start = starts[index]
+                room = self.max_rows - rows
+                if room <= 0:
+                    still.append(index)
+                    continue
+                end = min(len(tokens), start + room)
+                last = end == len(tokens)
+                chunks.append(
+                    ChunkPlan(
+                        request_id=seq_id,
+                        slot=0,
+                        start=start,
+                        num_tokens=end - start,
+                        block_ids=table,
+                        is_prefill=not last or end - start > 1,
+                        samples=last,
+                        token_ids=tuple(tokens[start:end]),
+                    )
+                )
+                owners.append(index)
+                rows += end - start
+                starts[index] = end
+                if not last:
+                    still.append(index)
+            logits = self._forward(chunks)
+            sampling = [index for chunk, index in zip(chunks, owners, strict=True) if chunk.samples]
+            if sampling:
+                best = logits.argmax(dim=-1).tolist()
+                for index, token in zip(sampling, best, strict=True):
+                    guesses[index].append(int(token))
+            pending = still
+        # Further guesses: one row per sequence still wanting some, all in one pass.
+        step = 1
+        while True:
+            active = [i for i, request in enumerate(requests) if request[4] > step]
+            if not active:
+                break
+            chunks = []
+            for index in active:
+                seq_id, tokens, _, table, _ = requests[index]
+                chunks.append(
+                    ChunkPlan(
+                        request_id=seq_id,
+                        slot=0,
+                        start=len(tokens) - 1 + step,
+                        num_tokens=1,
+                        block_ids=table,
+                        is_prefill=False,
+                        samples=True,
+                        token_ids=(guesses[index][-1],),
+                    )
+                )
+            best = self._forward(chunks).argmax(dim=-1).tolist()
+            for index, token in zip(active, best, strict=True):
+                guesses[index].append(int(token))
+            step += 1
+        return [tuple(g[: request[4]]) for g, request in zip(guesses, requests, strict=True)]

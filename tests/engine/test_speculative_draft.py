@@ -1,0 +1,161 @@
+"""Speculative decoding by a draft model leaves answers unchanged, token for token in float32:
+with the target as its own draft (every greedy guess accepted) and with a random-weight draft
+of the same vocabulary (guesses rejected and rolled back), beside requests that do not
+speculate, stop strings and budgets ending inside a guess, n > 1, structured output and seeded
+sampling. A draft of another vocabulary is refused at start; the pool drains whole after
+cancels; the config reaches the engine from the CLI and from LLM()."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from kvserve.config import SpeculativeConfig, parse_speculative_config
+from kvserve.engine.engine import Engine
+from tests.engine.helpers import make_config
+from tests.engine.test_leaks import check_interleaving, interleavings
+from tests.engine.test_speculative import Drafts, _requests
+
+DRAFT = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=3)
+
+
+def _short(requests):
+    """The speculative test's cases with smaller budgets (fast on two cores)."""
+    out = {}
+    for name, req in requests.items():
+        params = req.params
+        budget = min(params.max_tokens, 16 if name != "budget" else 7)
+        out[name] = dataclasses.replace(req, params=dataclasses.replace(params, max_tokens=budget))
+    return out
+
+
+def _run(loaded, speculative, draft=None):
+    observer = Drafts()
+    config = dataclasses.replace(make_config(slots=8, blocks=96), speculative=speculative)
+
+    async def main():
+        engine = Engine(config, loaded, draft=draft)
+        engine.observer.observers = (*engine.observer.observers, observer)
+        await engine.start()
+        try:
+            streams = {
+                name: engine.submit(req)
+                for name, req in _short(_requests(loaded.tokenizer)).items()
+            }
+            answers = {}
+            for name, stream in streams.items():
+                by_index: dict[int, dict] = {}
+                async for d in stream:
+                    answer = by_index.setdefault(d.index, {"tokens": [], "text": "", "lp": []})
+                    answer["tokens"].extend(d.token_ids)
+                    answer["text"] += d.text
+                    answer["lp"].extend(lp.logprob for lp in d.logprobs)
+                    if d.finish_reason is not None:
+                        answer.setdefault("finish", d.finish_reason)
+                answers[name] = by_index
+            await asyncio.sleep(0)
+            return answers, engine.num_steps, engine.is_idle(), engine.describe_memory()
+        finally:
+            await engine.stop()
+
+    answers, steps, idle, memory = asyncio.run(main())
+    return answers, steps, idle, observer, memory
+
+
+@pytest.fixture(scope="module")
+def plain(loaded_fp32):
+    return _run(loaded_fp32, None)
+
+
+def _same(plain_answers, spec_answers):
+    for name in plain_answers:
+        for index, answer in plain_answers[name].items():
+            other = spec_answers[name][index]
+            assert other["tokens"] == answer["tokens"], (name, index)
+            assert other["text"] == answer["text"], (name, index)
+            assert other["finish"] == answer["finish"], (name, index)
+            assert other["lp"] == pytest.approx(answer["lp"], abs=1e-4), name
+
+
+def test_the_target_as_its_own_draft_is_always_right(loaded_fp32, plain):
+    answers, steps, idle, drafts, memory = _run(loaded_fp32, DRAFT, draft=loaded_fp32)
+    assert idle
+    _same(plain[0], answers)
+    assert plain[0]["stop"][0]["finish"] == "stop"
+    assert len(plain[0]["budget"][0]["tokens"]) == 7
+    assert len(plain[0]["n2"]) == 2
+    # Greedy guesses of the model itself: nearly all kept (the sampled request's are not).
+    assert drafts.drafted > 0 and drafts.accepted >= drafts.drafted // 2
+    assert steps < plain[1]
+    assert "draft weights" in memory and "target + draft caches" in memory
+
+
+def test_a_random_draft_is_rolled_back_and_changes_nothing(loaded_fp32, windowed_mistral, plain):
+    answers, _, idle, drafts, _ = _run(loaded_fp32, DRAFT, draft=windowed_mistral[1])
+    assert idle
+    _same(plain[0], answers)
+    assert drafts.drafted > drafts.accepted  # it guessed, and was mostly wrong
+
+
+def test_a_draft_of_another_vocabulary_is_refused_at_start(loaded_fp32, qwen05_path):
+    spec = SpeculativeConfig(method="draft_model", model=str(qwen05_path))
+    with pytest.raises(ValueError, match=r"vocabulary of \d+ tokens, the target's has \d+"):
+        Engine(dataclasses.replace(make_config(), speculative=spec), loaded_fp32)
+
+
+def test_the_pool_counts_the_draft_cache(loaded_fp32):
+    from kvserve.config import CacheConfig
+
+    base = make_config()
+    budget = CacheConfig(block_size=32, kv_cache_memory=64 * 2**20)
+    alone = Engine(dataclasses.replace(base, cache=budget), loaded_fp32)
+    both = Engine(
+        dataclasses.replace(base, cache=budget, speculative=DRAFT), loaded_fp32, draft=loaded_fp32
+    )
+    assert both.pool_size.bytes_per_block == 2 * alone.pool_size.bytes_per_block
+    assert both.pool_size.num_blocks == alone.pool_size.num_blocks // 2
+    assert both.draft_kv_cache.num_blocks == both.kv_cache.num_blocks
+
+
+def test_the_config_parses_from_the_cli():
+    import argparse
+
+    from kvserve.cli import add_engine_arguments, engine_config_from_args
+
+    text = '{"model": "qwen2.5-coder:0.5b", "num_speculative_tokens": 4}'
+    spec = parse_speculative_config(text)
+    assert spec.method == "draft_model" and spec.model == "qwen2.5-coder:0.5b"
+    assert spec.num_speculative_tokens == 4
+    assert "draft model qwen2.5-coder:0.5b, 4 tokens" in spec.describe()
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--speculative-config", text])
+    assert engine_config_from_args(args).speculative == spec
+
+
+def test_llm_loads_a_draft_by_its_path_and_answers_the_same(loaded_fp32, model_path):
+    from kvserve.engine.llm import LLM
+    from kvserve.params import SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+    with LLM(config=make_config(), loaded=loaded_fp32) as llm:
+        expected = llm.generate([prompt], params)[0].outputs[0].token_ids
+    spec = {"model": str(model_path), "num_speculative_tokens": 2}
+    with LLM(config=make_config(), loaded=loaded_fp32, speculative_config=spec) as llm:
+        assert llm.engine.draft is not None and llm.engine.draft is not loaded_fp32
+        got = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert list(got) == list(expected)
+
+
+# The word prompts through a small pool, with cancels, slow consumers, n > 1, grammars and the
+# prefix cache: drafts by the target itself (even examples) or by a random draft (odd ones).
+@interleavings(6)
+def test_any_interleaving_with_a_draft_drains_to_an_idle_engine(
+    loaded_fp32, windowed_mistral, specs
+):
+    draft = loaded_fp32 if len(specs) % 2 == 0 else windowed_mistral[1]
+    spec = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=3)
+    check_interleaving(loaded_fp32, specs, spec, draft=draft)
