@@ -1,12 +1,13 @@
-"""Speculative decoding by prompt lookup on an editing workload, one stream, in one run.
+"""Speculative decoding on an editing workload, one stream, in one run.
 
-    python -m kvserve.bench.spec_bench [MODEL ...] [--runs 3]
+    python -m kvserve.bench.spec_bench [MODEL ...] [--runs 3] [--draft DRAFT_MODEL]
 
 The prompt holds a Python file of the standard library (300-600 tokens of it) and asks for it
 back with one function renamed; the answer is mostly the prompt, which is where n-gram guesses
 pay. Each model is loaded once and answers greedily with and without
 `{"method": "ngram", "num_speculative_tokens": 4}` (alternating, `--runs` times each), and
-an ordinary chat prompt the same way. Reported: output tok/s (the median run), the ratio,
+an ordinary chat prompt the same way. With `--draft`, the guesses come from that draft model
+instead (`{"model": DRAFT_MODEL, "num_speculative_tokens": 4}`). Reported: output tok/s (the median run), the ratio,
 whether the answers are token for token the same, and the acceptance per guess position.
 """
 
@@ -63,14 +64,14 @@ class _Counts:
         ]
 
 
-def measure(model: str | None, runs: int) -> list[str]:
+def measure(model: str | None, runs: int, speculative_config: dict = SPECULATIVE) -> list[str]:
     from kvserve import LLM, SamplingParams
     from kvserve.config import DeviceConfig
     from kvserve.model.loader import load_model
 
     loaded = load_model(model, DeviceConfig(device="cpu"))
     plain = LLM(loaded=loaded)
-    speculative = LLM(loaded=loaded, speculative_config=SPECULATIVE)
+    speculative = LLM(loaded=loaded, speculative_config=speculative_config)
     counts = _Counts()
     speculative.engine.observer = counts
     name = model or "the embedded model"
@@ -92,7 +93,9 @@ def measure(model: str | None, runs: int) -> list[str]:
             f"| {name} | {label} | {len(answers['off'])} | {off:.1f} | {on:.1f} | "
             f"{on / off:.2f}x | {'yes' if answers['on'] == answers['off'] else 'NO'} |"
         )
-    rates = ", ".join(f"{r:.0%}" for r in counts.rates(SPECULATIVE["num_speculative_tokens"]))
+    rates = ", ".join(
+        f"{r:.0%}" for r in counts.rates(speculative_config["num_speculative_tokens"])
+    )
     rows.append(f"| {name} | acceptance by guess position (both workloads) | {rates} | | | | |")
     plain.close()
     speculative.close()
@@ -103,15 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="*", help="catalogue names or paths (default: embedded)")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--draft", help="a draft model (catalogue name or path) instead of ngram")
     args = parser.parse_args(argv)
+    config = SPECULATIVE
+    method = "prompt lookup"
+    if args.draft:
+        config = {"model": args.draft, "num_speculative_tokens": 4}
+        method = f"draft model {args.draft}"
     lines = [
-        f"### Speculative decoding, prompt lookup, one stream ({machine_line()})",
+        f"### Speculative decoding, {method}, one stream ({machine_line()})",
         "",
         "| model | workload | answer tokens | off tok/s | on tok/s | on/off | same answer |",
         "| --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for model in args.models or [None]:
-        lines += measure(model, args.runs)
+        lines += measure(model, args.runs, config)
         print("\n".join(lines), flush=True)
     print("\n".join(lines))
     return 0
