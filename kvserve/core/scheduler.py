@@ -545,23 +545,25 @@ class Scheduler:
                 continue
             if seq.acceptance is None:
                 seq.acceptance = Acceptance(spec.num_speculative_tokens)
-            wanted = seq.acceptance.wants()
-            limit = min(wanted, seq.num_remaining - 1, self._max_model_len - seq.num_tokens, budget)
+            # Blocks for the guesses come from its table and the free pool only.
+            fit = self._kv.coverable(seq.seq_id) - seq.num_computed - 1
+            limit = min(
+                seq.acceptance.wants(),
+                seq.num_remaining - 1,
+                self._max_model_len - seq.num_tokens,
+                budget,
+                fit,
+            )
             if limit < 1:
                 continue
             if self._propose_batch is not None:
-                # Blocks first (its table and the free pool only): the proposer writes there.
-                fit = self._kv.coverable(seq.seq_id) - seq.num_computed - 1
-                limit = min(limit, fit)
-                if limit < 1 or not self._kv.grow(seq.seq_id, seq.num_computed + 1 + limit):
+                # Blocks first: the proposer writes (the draft's KV) there.
+                if not self._kv.grow(seq.seq_id, seq.num_computed + 1 + limit):
                     continue
                 wanting.append((seq, limit))
                 budget -= limit
                 continue
             guesses = tuple(self._propose(seq, limit))[:limit]
-            # Blocks for the guesses come from its table and the free pool only.
-            fit = self._kv.coverable(seq.seq_id) - seq.num_computed - 1
-            guesses = guesses[: max(fit, 0)]
             if not guesses or not self._kv.grow(seq.seq_id, seq.num_computed + 1 + len(guesses)):
                 continue
             drafts[seq.seq_id] = guesses

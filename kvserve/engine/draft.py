@@ -77,14 +77,15 @@ class DraftProposer:
 
     def propose(
         self,
-        requests: Seq[tuple[str, Seq[int], int, tuple[int, ...], int]],
+        requests: Seq[tuple[str, int, Seq[int], tuple[int, ...], int]],
     ) -> list[tuple[int, ...]]:
-        """Guesses for each (sequence id, its tokens, positions the draft holds, its block
-        table, how many guesses) together: one catch-up pass (split at `max_rows` rows), then
-        one batched single-row pass per further guess."""
+        """Guesses for each (sequence id, the first position the draft lacks, the sequence's
+        tokens from there to its last, its block table, how many guesses) together: one
+        catch-up pass (split at `max_rows` rows), then one batched single-row pass per further
+        guess."""
         guesses: list[list[int]] = [[] for _ in requests]
         # Catch-up: every sequence's missing positions, up to its last token.
-        starts = [min(held, len(tokens) - 1) for _, tokens, held, _, _ in requests]
+        done = [0] * len(requests)  # of each request's tail
         pending = list(range(len(requests)))
         while pending:
             chunks: list[ChunkPlan] = []
@@ -92,29 +93,29 @@ class DraftProposer:
             rows = 0
             still: list[int] = []
             for index in pending:
-                seq_id, tokens, _, table, _ = requests[index]
-                start = starts[index]
+                seq_id, first, tail, table, _ = requests[index]
                 room = self.max_rows - rows
                 if room <= 0:
                     still.append(index)
                     continue
-                end = min(len(tokens), start + room)
-                last = end == len(tokens)
+                begin = done[index]
+                end = min(len(tail), begin + room)
+                last = end == len(tail)
                 chunks.append(
                     ChunkPlan(
                         request_id=seq_id,
                         slot=0,
-                        start=start,
-                        num_tokens=end - start,
+                        start=first + begin,
+                        num_tokens=end - begin,
                         block_ids=table,
-                        is_prefill=not last or end - start > 1,
+                        is_prefill=not last or end - begin > 1,
                         samples=last,
-                        token_ids=tuple(tokens[start:end]),
+                        token_ids=tuple(tail[begin:end]),
                     )
                 )
                 owners.append(index)
-                rows += end - start
-                starts[index] = end
+                rows += end - begin
+                done[index] = end
                 if not last:
                     still.append(index)
             logits = self._forward(chunks)
@@ -132,12 +133,12 @@ class DraftProposer:
                 break
             chunks = []
             for index in active:
-                seq_id, tokens, _, table, _ = requests[index]
+                seq_id, first, tail, table, _ = requests[index]
                 chunks.append(
                     ChunkPlan(
                         request_id=seq_id,
                         slot=0,
-                        start=len(tokens) - 1 + step,
+                        start=first + len(tail) - 1 + step,
                         num_tokens=1,
                         block_ids=table,
                         is_prefill=False,

@@ -482,6 +482,11 @@ class Engine:
         guesses = propose_ngram(
             seq.all_token_ids, num_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
         )
+        return self._grammar_prefix(seq, guesses)
+
+    def _grammar_prefix(self, seq: Sequence, guesses: tuple[int, ...]) -> tuple[int, ...]:
+        """The guesses cut before the first one the sequence's grammar forbids (that one could
+        never be accepted)."""
         entry = self._answers.get(seq.seq_id)
         if guesses and entry is not None and entry[1].grammar is not None:
             guesses = guesses[: entry[1].grammar.valid_prefix(guesses)]
@@ -491,33 +496,26 @@ class Engine:
         """Guesses of the draft model for the decoding sequences that want some (called by the
         scheduler while it plans, their blocks already grown): one batched run on the device
         thread, each cut before the first token its grammar forbids."""
-        requests = []
         # The draft's own context may be shorter than the target's: beyond it, no guesses.
-        draft_len = self.draft.config.max_position_embeddings
-        for seq, limit in wanting:
-            if seq.num_tokens + limit - 1 > draft_len:
-                continue
-            tokens = seq.all_token_ids
-            held = min(seq.draft_len, seq.num_computed)
-            requests.append((seq.seq_id, tokens, held, self.kv.table(seq.seq_id), limit))
+        context = self.draft.config.max_position_embeddings
+        asked = [(seq, limit) for seq, limit in wanting if seq.num_tokens + limit - 1 <= context]
+        requests = []
+        for seq, limit in asked:
+            # From what the draft still holds; at least the last token (it gives the first guess).
+            start = min(seq.draft_len, seq.num_computed, seq.num_tokens - 1)
+            tail = seq.token_slice(start, seq.num_tokens)
+            requests.append((seq.seq_id, start, tail, self.kv.table(seq.seq_id), limit))
         try:
-            proposed = iter(device_thread.call(self.drafter.propose, requests) if requests else ())
+            proposed = device_thread.call(self.drafter.propose, requests) if requests else []
         except Exception:  # a failed draft costs its guesses, not the step
             log.exception("the draft model failed; no guesses this step")
             return [() for _ in wanting]
-        results: list[tuple[int, ...]] = []
-        for seq, limit in wanting:
-            if seq.num_tokens + limit - 1 > draft_len:
-                results.append(())
-                continue
-            guesses = next(proposed)
+        guessed: dict[str, tuple[int, ...]] = {}
+        for (seq, limit), guesses in zip(asked, proposed, strict=True):
             # It computed every position up to the last guess but one.
             seq.draft_len = seq.num_tokens + limit - 1
-            entry = self._answers.get(seq.seq_id)
-            if guesses and entry is not None and entry[1].grammar is not None:
-                guesses = guesses[: entry[1].grammar.valid_prefix(guesses)]
-            results.append(guesses)
-        return results
+            guessed[seq.seq_id] = self._grammar_prefix(seq, guesses)
+        return [guessed.get(seq.seq_id, ()) for seq, _ in wanting]
 
     @property
     def step_log(self) -> deque[StepRecord] | None:
