@@ -1004,6 +1004,29 @@ class Tokenizer:
             add_eos=bool(config.get("add_eos_token", False)),
         )
 
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write this tokenizer as a Hugging Face directory reads it (`tokenizer.json`,
+        `tokenizer_config.json`, `generation_config.json`): `from_hf_dir` gives it back. A GGUF
+        file's tokenizer, saved so, goes with a checkpoint written by transformers."""
+        target = Path(directory)
+        target.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(target / "tokenizer.json"))
+
+        def text(token_id: int | None) -> str | None:
+            return None if token_id is None else self._backend.id_to_token(token_id)
+
+        config = {
+            "bos_token": text(self._bos_token_id),
+            "eos_token": text(self._eos_token_id),
+            "add_bos_token": self._add_bos,
+            "add_eos_token": self._add_eos,
+            "chat_template": self._chat_template,
+        }
+        (target / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+        generation = {"eos_token_id": sorted(self._eos_token_ids)}
+        (target / "generation_config.json").write_text(json.dumps(generation, indent=1))
+        return target
+
     # --- properties -----------------------------------------------------------------------
 
     @property

@@ -556,6 +556,23 @@ def test_from_hf_dir_reads_template_and_flags_from_tokenizer_config(hf_dir, tmp_
     assert loaded.encode("hi", add_bos=True)[0] == hf_ref.bos_token_id
 
 
+def test_a_gguf_tokenizer_saved_as_a_directory_reads_back_the_same(tok, hf_ref, tmp_path):
+    saved = Tokenizer.from_hf_dir(tok.save_pretrained(tmp_path / "saved"))
+    for s in STRINGS:
+        assert saved.encode(s) == tok.encode(s)
+        assert saved.decode(tok.encode(s)) == tok.decode(tok.encode(s))
+    for name in ("bos_token_id", "eos_token_id", "eos_token_ids", "special_token_ids"):
+        assert getattr(saved, name) == getattr(tok, name), name
+    assert (saved.chat_template, saved.add_bos) == (tok.chat_template, tok.add_bos)
+    conversation = CONVERSATIONS[2]
+    assert saved.encode_chat(conversation) == tok.encode_chat(conversation)
+    # transformers reads the directory as well.
+    import transformers
+
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert theirs.encode(STRINGS[0], add_special_tokens=False) == tok.encode(STRINGS[0])
+
+
 def test_from_hf_dir_without_tokenizer_json(tmp_path):
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_hf_dir(tmp_path)
