@@ -106,10 +106,14 @@ def _run(loaded, speculative):
     return answers, steps, idle, observer, rows
 
 
-def test_answers_are_unchanged_in_a_mixed_batch(loaded_fp32):
-    plain, plain_steps, _, _, plain_rows = _run(loaded_fp32, None)
+@pytest.mark.parametrize("weights", ["loaded_fp32", "loaded_bf16"])
+def test_answers_are_unchanged_in_a_mixed_batch(weights, request):
+    """float32, and bf16 (with the CPU's bf16 dot product where it has one: a verify chunk's
+    attention rows take a decode row's arithmetic, csrc/paged_attention.c)."""
+    loaded = request.getfixturevalue(weights)
+    plain, plain_steps, _, _, plain_rows = _run(loaded, None)
     spec, spec_steps, idle, drafts, spec_rows = _run(
-        loaded_fp32, SpeculativeConfig(num_speculative_tokens=4)
+        loaded, SpeculativeConfig(num_speculative_tokens=4)
     )
     assert idle
     for name in plain:

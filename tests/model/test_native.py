@@ -208,6 +208,41 @@ def test_float32_rows_are_the_same_alone_in_a_tile_and_in_any_block_size(
     assert (results[0][n] - expect_last).abs().max() <= tolerance
 
 
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 9, 3), (128, 12, 2), (64, 14, 2)])
+@pytest.mark.parametrize("guesses", [1, 4, 16])
+def test_bf16_verify_chunk_rows_equal_decode_rows(head_dim, heads, kv_heads, guesses, native):
+    """A speculative verify chunk (the last sampled token and up to 16 guesses: at most 17 rows)
+    gets, row for row, the bits of decode rows computed one at a time, in bf16 too, where the
+    CPU's bf16 dot product sums a tile of several rows in another order than a row alone
+    (csrc/common.h, cut_tiles): so verification accepts exactly what decoding would have
+    produced. Beside it in the same call: a decode row of another sequence and a long prefill
+    chunk, which keeps its tiles and is only close to the rows alone."""
+    start, n, long_rows = 600, guesses + 1, 40
+    length = start + long_rows
+    positions = torch.randn(2, kv_heads, length, head_dim, generator=gen(30)).to(torch.bfloat16)
+    q = torch.randn(n + 1 + long_rows, heads, head_dim, generator=gen(31)).to(torch.bfloat16)
+    lengths = torch.cat(
+        [
+            torch.arange(start + 1, start + n + 1),
+            torch.tensor([333]),
+            torch.arange(start + 1, start + long_rows + 1),
+        ]
+    )
+    row_tables = torch.tensor([0] * n + [1] + [2] * long_rows)
+    scale = head_dim**-0.5
+    kv, order = laid_out(positions, 32, 32)
+    tables = order[None].repeat(3, 1)
+    out = torch.empty_like(q)
+    native.paged_attention(q, kv, tables, lengths, out, scale, row_tables)
+    alone = torch.empty_like(q)
+    for i in range(len(q)):
+        native.paged_attention(
+            q[i : i + 1], kv, order[None], lengths[i : i + 1], alone[i : i + 1], scale
+        )
+    assert torch.equal(out[: n + 1], alone[: n + 1])
+    assert (out.float() - alone.float()).abs().max() <= TOLERANCE[torch.bfloat16]
+
+
 needs_row_product = pytest.mark.skipif(
     not load_kernels().f32_row_product, reason="the float32 row product needs AVX2 and FMA"
 )
