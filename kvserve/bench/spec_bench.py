@@ -4,7 +4,7 @@
 
 The prompt holds a Python file of the standard library (300-600 tokens of it) and asks for it
 back with one function renamed; the answer is mostly the prompt, which is where n-gram guesses
-pay. Each model is loaded once and answers greedily with and without
+pay. Each model is loaded once, each engine answers one short warm-up request, and each answers greedily with and without
 `{"method": "ngram", "num_speculative_tokens": 4}` (alternating, `--runs` times each), and
 an ordinary chat prompt the same way. With `--draft`, the guesses come from that draft model
 instead (`{"model": DRAFT_MODEL, "num_speculative_tokens": 4}`). Reported: output tok/s (the median run), the ratio,
@@ -75,6 +75,10 @@ def measure(model: str | None, runs: int, speculative_config: dict = SPECULATIVE
     counts = _Counts()
     speculative.engine.observer = counts
     name = model or "the embedded model"
+    # Warm-up: each engine's first steps (buffers, the kernels' first calls) are not measured.
+    for llm in (plain, speculative):
+        llm.chat([{"role": "user", "content": CHAT}], SamplingParams(max_tokens=16, temperature=0))
+    counts.__init__()
     rows = []
     for label, prompt in (("editing", editing_prompt(loaded.tokenizer)), ("chat", CHAT)):
         conversation = [{"role": "user", "content": prompt}]
@@ -107,11 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("models", nargs="*", help="catalogue names or paths (default: embedded)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--draft", help="a draft model (catalogue name or path) instead of ngram")
+    parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
     args = parser.parse_args(argv)
-    config = SPECULATIVE
-    method = "prompt lookup"
+    config = {**SPECULATIVE, "num_speculative_tokens": args.k}
+    method = f"prompt lookup, k = {args.k}"
     if args.draft:
-        config = {"model": args.draft, "num_speculative_tokens": 4}
+        config = {"model": args.draft, "num_speculative_tokens": args.k}
         method = f"draft model {args.draft}"
     lines = [
         f"### Speculative decoding, {method}, one stream ({machine_line()})",
