@@ -19,6 +19,7 @@ import statistics
 import sys
 import textwrap
 import time
+from collections.abc import Sequence
 
 from kvserve.bench.run import machine_line
 
@@ -106,18 +107,99 @@ def measure(model: str | None, runs: int, speculative_config: dict = SPECULATIVE
     return rows
 
 
+def measure_batches(
+    model: str | None,
+    concurrencies: Sequence[int],
+    speculative_config: dict = SPECULATIVE,
+    max_tokens: int = 256,
+    runs: int = 3,
+) -> list[str]:
+    """Output tok/s of C editing requests at once, speculation off, on under the default rule
+    (nobody guesses in a step of more than `disable_by_batch_size` decoding sequences), and on
+    always (`disable_by_batch_size` past C): where "always" falls below "off" is the crossover
+    the default rule should sit under. Each request asks for a different function renamed, so
+    the answers differ; greedy, `max_tokens` each."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.config import DeviceConfig
+    from kvserve.model.loader import load_model
+
+    loaded = load_model(model, DeviceConfig(device="cpu"))
+    top = max(concurrencies)
+    engines = {
+        "off": LLM(loaded=loaded, max_num_seqs=top),
+        "default rule": LLM(loaded=loaded, max_num_seqs=top, speculative_config=speculative_config),
+        "always": LLM(
+            loaded=loaded,
+            max_num_seqs=top,
+            speculative_config={**speculative_config, "disable_by_batch_size": top + 1},
+        ),
+    }
+    names = ["dedent", "indent", "fill", "wrap", "shorten", "TextWrapper", "_split", "_fix"]
+    prompt = editing_prompt(loaded.tokenizer)
+    conversations = [
+        [{"role": "user", "content": prompt.replace("`dedent`", f"`{names[i % len(names)]}`")}]
+        for i in range(top)
+    ]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    for llm in engines.values():  # warm-up
+        llm.chat(conversations[:1], SamplingParams(max_tokens=16, temperature=0))
+    name = model or "the embedded model"
+    rows = []
+    for c in concurrencies:
+        runs_of: dict[str, list[float]] = {key: [] for key in engines}
+        for _ in range(runs):  # alternating, the median of each
+            for key, llm in engines.items():
+                started = time.perf_counter()
+                outputs = llm.chat(conversations[:c], params)
+                seconds = time.perf_counter() - started
+                runs_of[key].append(sum(len(o.outputs[0].token_ids) for o in outputs) / seconds)
+        speeds = {key: statistics.median(values) for key, values in runs_of.items()}
+        off = speeds["off"]
+        rows.append(
+            f"| {name} | {c} | {off:.1f} | {speeds['default rule']:.1f} | "
+            f"{speeds['default rule'] / off:.2f}x | {speeds['always']:.1f} | "
+            f"{speeds['always'] / off:.2f}x |"
+        )
+        print(rows[-1], flush=True)
+    for llm in engines.values():
+        llm.close()
+    return rows
+
+
+BATCH_HEADER = [
+    "| model | streams | off tok/s | on (default rule) tok/s | on/off | on (always) tok/s "
+    "| always/off |",
+    "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="*", help="catalogue names or paths (default: embedded)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--draft", help="a draft model (catalogue name or path) instead of ngram")
     parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument(
+        "--batches",
+        default=None,
+        help="comma list of concurrencies: editing requests at once, off / default rule / "
+        "always (the crossover), in place of the one-stream table",
+    )
+    parser.add_argument("--max-tokens", type=int, default=256, help="per request, with --batches")
     args = parser.parse_args(argv)
     config = {**SPECULATIVE, "num_speculative_tokens": args.k}
     method = f"prompt lookup, k = {args.k}"
     if args.draft:
         config = {"model": args.draft, "num_speculative_tokens": args.k}
         method = f"draft model {args.draft}"
+    if args.batches:
+        concurrencies = [int(c) for c in args.batches.split(",")]
+        lines = [f"### Speculative decoding, {method}, many streams ({machine_line()})", ""]
+        lines += BATCH_HEADER
+        for model in args.models or [None]:
+            lines += measure_batches(model, concurrencies, config, args.max_tokens, args.runs)
+        print("\n".join(lines))
+        return 0
     lines = [
         f"### Speculative decoding, {method}, one stream ({machine_line()})",
         "",
