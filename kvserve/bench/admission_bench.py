@@ -206,7 +206,7 @@ def run_admission_bench(
     from kvserve.bench.run import serving
 
     if model is not None:
-        _pull_if_missing(model)
+        pull_if_missing(model)
     runs = []
     for admission in admissions:
         flags = [] if model is None else [model]
@@ -252,7 +252,7 @@ def run_admission_bench(
     return runs
 
 
-def _pull_if_missing(model: str) -> None:
+def pull_if_missing(model: str) -> None:
     """Fetch a catalogue model not pulled yet, before any server starts (a server's start has a
     deadline that a first download may not meet)."""
     from kvserve import hub

@@ -189,6 +189,31 @@ def running(
                 server.wait()
 
 
+def spec_section(args: argparse.Namespace) -> list[str]:
+    """Speculative decoding by prompt lookup (kvserve/bench/spec_bench.py): one stream on the
+    editing workload and a chat, off against on, then editing requests at once at 1, 8 and 32
+    streams; on the default model and each of `--spec-models` (catalogue names pulled first)."""
+    from kvserve.bench import spec_bench
+    from kvserve.bench.admission_bench import pull_if_missing
+
+    models: list[str | None] = [None]
+    for name in filter(None, args.spec_models.split(",")):
+        pull_if_missing(name)
+        models.append(name)
+    lines = [
+        "### Speculative decoding, prompt lookup (k = 4), one stream\n",
+        "| model | workload | answer tokens | off tok/s | on tok/s | on/off | same answer |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for model in models:
+        lines += spec_bench.measure(model, runs=3)
+    lines += ["", "### Speculative decoding, prompt lookup, many editing streams\n"]
+    lines += spec_bench.BATCH_HEADER
+    for model in models:
+        lines += spec_bench.measure_batches(model, (1, 8, 32), max_tokens=128, runs=1)
+    return [*lines, ""]
+
+
 def viewer_section(args: argparse.Namespace) -> tuple[list[str], dict]:
     """Throughput at 32 concurrent with no viewer and with one on the engine event stream."""
     from kvserve.bench.viewer_bench import format_viewer_bench, run_viewer_bench
@@ -244,8 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make bench", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--only",
-        default="model,engine,http,prefix,bigmodel,viewer,cluster,embeddings,admission",
+        default="model,engine,http,prefix,bigmodel,viewer,cluster,embeddings,admission,spec",
         help="comma list of sections",
+    )
+    parser.add_argument(
+        "--spec-models",
+        default="",
+        help="catalogue names or paths the speculative section measures beside the default "
+        "model (comma list; e.g. qwen2.5-coder:1.5b)",
     )
     parser.add_argument(
         "--admission-model",
@@ -515,6 +546,10 @@ def main(argv: list[str] | None = None) -> int:
         print("embeddings benchmark...", flush=True)
         lines, raw["embeddings"] = embedding_section(args)
         out += lines
+
+    if "spec" in sections:
+        print("speculative decoding benchmark...", flush=True)
+        out += spec_section(args)
 
     text = "\n".join(out)
     print(text)
