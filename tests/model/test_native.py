@@ -211,29 +211,39 @@ def test_float32_rows_are_the_same_alone_in_a_tile_and_in_any_block_size(
 @pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 9, 3), (128, 12, 2), (64, 14, 2)])
 @pytest.mark.parametrize("guesses", [1, 4, 16])
 def test_bf16_verify_chunk_rows_equal_decode_rows(head_dim, heads, kv_heads, guesses, native):
-    """A speculative verify chunk (the last sampled token and up to 16 guesses: at most 17 rows)
-    gets, row for row, the bits of decode rows computed one at a time, in bf16 too, where the
-    CPU's bf16 dot product sums a tile of several rows in another order than a row alone
-    (csrc/common.h, cut_tiles): so verification accepts exactly what decoding would have
-    produced. Beside it in the same call: a decode row of another sequence and a long prefill
-    chunk, which keeps its tiles and is only close to the rows alone."""
-    start, n, long_rows = 600, guesses + 1, 40
+    """A speculative verify chunk (the last sampled token and its guesses) gets, row for row,
+    the bits of decode rows computed one at a time, in bf16 too, where the CPU's bf16 dot
+    product sums a tile of several rows in another order than a row alone: the CPU backend's
+    metadata gives each verify row a table of its own (`rows_alone_in_verify_chunks`), so
+    verification accepts exactly what decoding would have produced. In the same call: a decode
+    row of another sequence and a 40-row prefill chunk, which keeps its tiles (close to the rows
+    alone; exactly so in float32)."""
+    from types import SimpleNamespace
+
+    from kvserve.model.attention import flatten_chunks
+    from kvserve.model.attention.cpu import rows_alone_in_verify_chunks
+
+    start, n, long_rows, block = 600, guesses + 1, 40, 32
     length = start + long_rows
     positions = torch.randn(2, kv_heads, length, head_dim, generator=gen(30)).to(torch.bfloat16)
-    q = torch.randn(n + 1 + long_rows, heads, head_dim, generator=gen(31)).to(torch.bfloat16)
-    lengths = torch.cat(
-        [
-            torch.arange(start + 1, start + n + 1),
-            torch.tensor([333]),
-            torch.arange(start + 1, start + long_rows + 1),
-        ]
-    )
-    row_tables = torch.tensor([0] * n + [1] + [2] * long_rows)
+    kv, order = laid_out(positions, block, block)
+    table = tuple(order.tolist())
+    chunks = [
+        SimpleNamespace(start=start, num_tokens=n, block_ids=table, samples=True,
+                        draft_token_ids=(7,) * guesses),
+        SimpleNamespace(start=332, num_tokens=1, block_ids=table, samples=True),
+        SimpleNamespace(start=start, num_tokens=long_rows, block_ids=table, samples=True),
+    ]  # fmt: skip
+    _, rows_at, row_tables, tables, _ = flatten_chunks(chunks, block)
+    row_tables, tables = rows_alone_in_verify_chunks(chunks, tables, block)
+    assert row_tables[:n] == list(range(n)) and len(set(row_tables[n + 1 :])) == 1
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables])
+    lengths = torch.tensor(rows_at) + 1
+    q = torch.randn(len(lengths), heads, head_dim, generator=gen(31)).to(torch.bfloat16)
     scale = head_dim**-0.5
-    kv, order = laid_out(positions, 32, 32)
-    tables = order[None].repeat(3, 1)
     out = torch.empty_like(q)
-    native.paged_attention(q, kv, tables, lengths, out, scale, row_tables)
+    native.paged_attention(q, kv, padded, lengths, out, scale, torch.tensor(row_tables))
     alone = torch.empty_like(q)
     for i in range(len(q)):
         native.paged_attention(

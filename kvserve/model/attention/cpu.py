@@ -37,6 +37,28 @@ class CpuAttentionMetadata:
     row_lengths: torch.Tensor  # [rows] long: positions each row attends to (its position + 1)
 
 
+def rows_alone_in_verify_chunks(
+    chunks: Sequence[ChunkLike], tables: list[Sequence[int]], block_size: int
+) -> tuple[list[int], list[Sequence[int]]]:
+    """Row tables and tables where each row of a speculative verify chunk (a decode row and its
+    guesses: `draft_token_ids`) has a table entry of its own. The kernels work on consecutive
+    rows of one table as a tile, and the bf16 dot-product tile sums in another order than a
+    row alone (csrc/paged_attention.c); alone, each verify row is computed exactly as the decode
+    row it stands for, so verification accepts exactly what decoding would have produced. The
+    other chunks keep their tiles, so prefill chunks of any size still agree with each other."""
+    row_tables: list[int] = []
+    split: list[Sequence[int]] = []
+    for chunk, table in zip(chunks, tables, strict=True):
+        if getattr(chunk, "draft_token_ids", ()):
+            for position in range(chunk.start, chunk.start + chunk.num_tokens):
+                row_tables.append(len(split))
+                split.append(table[: position // block_size + 1])
+        else:
+            row_tables.extend([len(split)] * chunk.num_tokens)
+            split.append(table)
+    return row_tables, split
+
+
 class CpuPagedAttention:
     """The CPU kernels' paged attention over a float or an int8 cache."""
 
@@ -56,6 +78,8 @@ class CpuPagedAttention:
 
     def build_metadata(self, chunks: Sequence[ChunkLike], block_size: int) -> CpuAttentionMetadata:
         slots, positions, row_tables, tables, logits_rows = flatten_chunks(chunks, block_size)
+        if any(getattr(chunk, "draft_token_ids", ()) for chunk in chunks):
+            row_tables, tables = rows_alone_in_verify_chunks(chunks, tables, block_size)
         width = max((len(t) for t in tables), default=1)
         padded = [list(t) + [0] * (width - len(t)) for t in tables]
         positions_t = torch.tensor(positions, dtype=torch.long)

@@ -71,21 +71,14 @@ static inline void softmax_rows(float *scores, int64_t rows, int64_t length) {
 
 /* Cuts `rows` rows into tiles: runs of up to `max_rows` consecutive rows of one prefill chunk
  * (the same table, lengths growing by one). tiles ([rows + 1]) gets each tile's first row, then
- * `rows`; returns the number of tiles. Without row tables every row is a tile of its own. A
- * chunk of at most `short_chunk` rows is cut into tiles of one row each: for kernels whose
- * tiles of several rows sum in another order than a row alone, so that a speculative verify
- * chunk (at most 17 rows) gives the bits its rows would get decoded one at a time. */
+ * `rows`; returns the number of tiles. Without row tables every row is a tile of its own. */
 static inline int64_t cut_tiles(const int64_t *row_tables, const int64_t *lengths, int64_t rows,
-                                int64_t max_rows, int64_t short_chunk, int64_t *tiles) {
+                                int64_t max_rows, int64_t *tiles) {
     int64_t count = 0;
-    for (int64_t r = 0; r < rows;) {
-        int64_t end = r + 1; /* the chunk: rows r .. end - 1 */
-        while (end < rows && row_tables && row_tables[end] == row_tables[end - 1] &&
-               lengths[end] == lengths[end - 1] + 1)
-            end++;
-        const int64_t step = end - r <= short_chunk ? 1 : max_rows;
-        for (; r < end; r += step) tiles[count++] = r;
-        r = end;
+    for (int64_t r = 0; r < rows; r++) {
+        const int continues = r > 0 && row_tables && row_tables[r] == row_tables[r - 1] &&
+                              lengths[r] == lengths[r - 1] + 1 && r - tiles[count - 1] < max_rows;
+        if (!continues) tiles[count++] = r;
     }
     tiles[count] = rows;
     return count;

@@ -644,7 +644,7 @@ static void q8_tile_task(const void *q, int bf16, int64_t q_row_stride, void *ou
         const float *k_scales = scales, *v_scales = scales + num_kv_heads * slots;                \
         int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));                     \
         if (!tiles) return -2;                                                                    \
-        const int64_t num_tiles = cut_tiles(row_tables, lengths, num_seqs, TILE_ROWS, 0, tiles);     \
+        const int64_t num_tiles = cut_tiles(row_tables, lengths, num_seqs, TILE_ROWS, tiles);     \
         int failed = 0;                                                                           \
         _Pragma("omp parallel num_threads(num_threads)") {                                        \
             float *work = NULL;                                                                   \

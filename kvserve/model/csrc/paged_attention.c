@@ -608,7 +608,7 @@ static void bf16_dot_tile(const uint16_t *q, int64_t q_row_stride, uint16_t *out
 
 /* The entry points: rows cut into tiles (runs of one prefill chunk's rows: same table, lengths
  * growing by one), then (tile, KV head) tasks, longest tiles first. */
-#define DEFINE_ENTRY(NAME, T, TILE, TILE_FLOATS, SHORT_CHUNK)                                     \
+#define DEFINE_ENTRY(NAME, T, TILE, TILE_FLOATS)                                                    \
     static int NAME(const T *q, int64_t q_row_stride, const T *kv, const int64_t *block_tables,   \
                     int64_t table_width, const int64_t *row_tables, const int64_t *lengths,       \
                     T *out, int64_t out_row_stride, int64_t num_seqs, int64_t num_heads,          \
@@ -622,7 +622,7 @@ static void bf16_dot_tile(const uint16_t *q, int64_t q_row_stride, uint16_t *out
         const T *k_base = kv, *v_base = kv + num_kv_heads * head_stride;                          \
         int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));                     \
         if (!tiles) return -2;                                                                    \
-        const int64_t num_tiles = cut_tiles(row_tables, lengths, num_seqs, TILE_ROWS, SHORT_CHUNK, tiles);     \
+        const int64_t num_tiles = cut_tiles(row_tables, lengths, num_seqs, TILE_ROWS, tiles);     \
         int failed = 0;                                                                           \
         _Pragma("omp parallel num_threads(num_threads)") {                                        \
             float *work = NULL;                                                                   \
@@ -657,12 +657,10 @@ static void bf16_dot_tile(const uint16_t *q, int64_t q_row_stride, uint16_t *out
         return failed ? -2 : 0;                                                                   \
     }
 
-DEFINE_ENTRY(attend_f32, float, float_tile_f32, float_tile_floats, 0)
-DEFINE_ENTRY(attend_bf16_float, uint16_t, float_tile_bf16, float_tile_floats, 0)
+DEFINE_ENTRY(attend_f32, float, float_tile_f32, float_tile_floats)
+DEFINE_ENTRY(attend_bf16_float, uint16_t, float_tile_bf16, float_tile_floats)
 #if HAVE_BF16_DOT
-/* A tile of several rows sums in another order than a row alone: chunks of up to 17 rows (a
- * verify chunk of 16 guesses) go row by row, so speculation verifies with a decode row's bits. */
-DEFINE_ENTRY(attend_bf16_dot, uint16_t, bf16_dot_tile, bf16_dot_tile_floats, 17)
+DEFINE_ENTRY(attend_bf16_dot, uint16_t, bf16_dot_tile, bf16_dot_tile_floats)
 #endif
 
 #define KVSERVE_ATTENTION_ARGS(T)                                                                   \
