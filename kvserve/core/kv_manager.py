@@ -327,11 +327,13 @@ class KVManager:
         self._credit(self._request_of(seq.seq_id), returned)
         return returned
 
-    def rollback(self, seq: Sequence) -> int:
-        """After a verification: free the blocks past the sequence's computed positions that
-        its reservation does not hold (grown for guesses that were rejected); returns how many
-        went back. Positions past `num_computed` in a kept block are simply overwritten later."""
-        keep = max(self.num_reserved(seq.seq_id), self.blocks_for(seq.num_computed))
+    def rollback(self, seq: Sequence, num_positions: int | None = None) -> int:
+        """After a verification: free the blocks past the sequence's computed positions (or
+        past its first `num_positions`, while a step is planned) that its reservation does not
+        hold (grown for guesses that were rejected, or never made); returns how many went back.
+        Positions past them in a kept block are simply overwritten later."""
+        upto = seq.num_computed if num_positions is None else num_positions
+        keep = max(self.num_reserved(seq.seq_id), self.blocks_for(upto))
         returned = self._pool.truncate(seq.seq_id, keep)
         if self._window is not None and seq.seq_id in self._held:
             self._credit(self._request_of(seq.seq_id), returned)

@@ -574,6 +574,8 @@ class Scheduler:
                 guesses = tuple(guesses)[:limit]
                 if guesses:
                     drafts[seq.seq_id] = guesses
+                if len(guesses) < limit:  # the blocks grown for guesses that did not come
+                    self._kv.rollback(seq, seq.num_computed + 1 + len(guesses))
         return drafts
 
     def _on_schedule(self) -> None:

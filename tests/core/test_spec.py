@@ -211,6 +211,36 @@ def test_guesses_take_only_free_blocks_never_preempting():
     assert pool.check_whole()
 
 
+@pytest.mark.parametrize("returned", [0, 1])
+def test_blocks_grown_for_a_batch_proposers_missing_guesses_go_back_at_once(returned):
+    """A batch proposer (the draft model) gets each sequence's blocks grown for every guess it
+    may make before it is called; guesses that do not come back (cut by a grammar, the draft's
+    context, a failed draft) give those blocks back in the same planning, so the step holds
+    only what it computes."""
+    pool = BlockPool(32, 4)
+    config = SchedulerConfig(max_num_seqs=2, reserve_tokens=1)
+    spec = SpeculativeConfig(num_speculative_tokens=4)
+    asked = []
+
+    def propose(wanting):
+        asked.extend(limit for _, limit in wanting)
+        return [(7,) * returned for _ in wanting]
+
+    scheduler = Scheduler(config, KVManager(pool), 64, speculative=spec, batch_proposer=propose)
+    seq = _admitted(scheduler, "a", [1, 2, 3, 4, 5, 6, 7])  # 7 positions: the 2nd block's 3rd
+    _step(scheduler, lambda chunk: 4)
+    plan = scheduler.schedule()
+    (chunk,) = plan.chunks
+    assert asked == [4] and chunk.draft_token_ids == (7,) * returned
+    assert len(scheduler.kv.table("a")) == max(
+        scheduler.kv.num_reserved("a"), pool.blocks_for(chunk.start + chunk.num_tokens)
+    )
+    scheduler.update_from_output(plan, {"a": (*chunk.draft_token_ids, 9) if returned else 9})
+    assert seq.num_computed == chunk.start + chunk.num_tokens
+    scheduler.release("a")
+    assert pool.num_free == pool.num_blocks and pool.check_whole()
+
+
 def test_counts_only_updates_treat_a_speculative_chunk_as_one_token():
     scheduler, pool = _scheduler()
     seq = _admitted(scheduler, "a", PROMPT)
