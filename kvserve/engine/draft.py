@@ -27,6 +27,7 @@ The guesses are the draft's argmax (a point mass), which the target's verificati
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import NamedTuple
 
 import torch
 
@@ -44,15 +45,25 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, draft_name: str) ->
             f"has {target_size} (a difference of {abs(draft_size - target_size)}): speculative "
             "decoding needs a draft of the same vocabulary"
         )
-    target_tokens = target_tokenizer._token_bytes
-    draft_tokens = draft_tokenizer._token_bytes
-    for token_id, (mine, theirs) in enumerate(zip(target_tokens, draft_tokens, strict=True)):
+    for token_id in range(target_size):
+        mine, theirs = target_tokenizer.token_bytes(token_id), draft_tokenizer.token_bytes(token_id)
         if mine != theirs:
             raise ValueError(
                 f"draft model {draft_name!r} has a vocabulary of {draft_size} tokens like the "
                 f"target's, but token {token_id} differs ({theirs!r} in the draft, {mine!r} in "
                 "the target): speculative decoding needs a draft of the same vocabulary"
             )
+
+
+class DraftRequest(NamedTuple):
+    """One sequence's ask of the draft: its positions from `first` on hold `tail` (up to its
+    last token), its block table, and how many guesses it wants."""
+
+    seq_id: str
+    first: int  # the first position the draft lacks
+    tail: Seq[int]
+    table: Seq[int]
+    num_guesses: int
 
 
 class DraftProposer:
@@ -75,14 +86,9 @@ class DraftProposer:
             logits = self.model.forward(ids, meta, self.kv_cache)
         return logits[:, : self.vocab_size]
 
-    def propose(
-        self,
-        requests: Seq[tuple[str, int, Seq[int], tuple[int, ...], int]],
-    ) -> list[tuple[int, ...]]:
-        """Guesses for each (sequence id, the first position the draft lacks, the sequence's
-        tokens from there to its last, its block table, how many guesses) together: one
-        catch-up pass (split at `max_rows` rows), then one batched single-row pass per further
-        guess."""
+    def propose(self, requests: Seq[DraftRequest]) -> list[tuple[int, ...]]:
+        """Guesses for every request together: one catch-up pass (split at `max_rows` rows),
+        then one batched single-row pass per further guess."""
         guesses: list[list[int]] = [[] for _ in requests]
         # Catch-up: every sequence's missing positions, up to its last token.
         done = [0] * len(requests)  # of each request's tail
@@ -128,7 +134,7 @@ class DraftProposer:
         # Further guesses: one row per sequence still wanting some, all in one pass.
         step = 1
         while True:
-            active = [i for i, request in enumerate(requests) if request[4] > step]
+            active = [i for i, request in enumerate(requests) if request.num_guesses > step]
             if not active:
                 break
             chunks = []
@@ -150,4 +156,6 @@ class DraftProposer:
             for index, token in zip(active, best, strict=True):
                 guesses[index].append(int(token))
             step += 1
-        return [tuple(g[: request[4]]) for g, request in zip(guesses, requests, strict=True)]
+        return [
+            tuple(g[: request.num_guesses]) for g, request in zip(guesses, requests, strict=True)
+        ]

@@ -72,7 +72,7 @@ from kvserve.core import (
 )
 from kvserve.core.spec import propose_ngram
 from kvserve.engine.batch import Batch, Sampled, StepOutput
-from kvserve.engine.draft import DraftProposer, check_same_vocabulary
+from kvserve.engine.draft import DraftProposer, DraftRequest, check_same_vocabulary
 from kvserve.engine.embedding import Embedder, EmbeddingJob, EmbeddingObserver, decoder_embedder
 from kvserve.engine.sampler import RowState, Sampler, make_generator
 from kvserve.engine.stream import Delta, Stream, TokenLogprob, Usage
@@ -504,7 +504,7 @@ class Engine:
             # From what the draft still holds; at least the last token (it gives the first guess).
             start = min(seq.draft_len, seq.num_computed, seq.num_tokens - 1)
             tail = seq.token_slice(start, seq.num_tokens)
-            requests.append((seq.seq_id, start, tail, self.kv.table(seq.seq_id), limit))
+            requests.append(DraftRequest(seq.seq_id, start, tail, self.kv.table(seq.seq_id), limit))
         try:
             proposed = device_thread.call(self.drafter.propose, requests) if requests else []
         except Exception:  # a failed draft costs its guesses, not the step
