@@ -4,11 +4,13 @@
 
 The prompt holds a Python file of the standard library (300-600 tokens of it) and asks for it
 back with one function renamed; the answer is mostly the prompt, which is where n-gram guesses
-pay. Each model is loaded once, each engine answers one short warm-up request, and each answers greedily with and without
-`{"method": "ngram", "num_speculative_tokens": 4}` (alternating, `--runs` times each), and
-an ordinary chat prompt the same way. With `--draft`, the guesses come from that draft model
-instead (`{"model": DRAFT_MODEL, "num_speculative_tokens": 4}`). Reported: output tok/s (the median run), the ratio,
-whether the answers are token for token the same, and the acceptance per guess position.
+pay. Each model is loaded once; an engine without speculation and one with
+`{"method": "ngram", "num_speculative_tokens": 4}` each answer a short warm-up request, then
+answer greedily in turn (`--runs` times each), and an ordinary chat prompt the same way. With
+`--draft`, the guesses come from that draft model instead (`{"model": DRAFT_MODEL, ...}`);
+`-k` sets the number of guesses. Reported: output tok/s (the median run), the ratio, whether
+the answers are token for token the same, and the acceptance per guess position.
+`--batches 1,8,32` measures many editing streams at once instead (`measure_batches`).
 """
 
 from __future__ import annotations
@@ -73,13 +75,12 @@ def measure(model: str | None, runs: int, speculative_config: dict = SPECULATIVE
     loaded = load_model(model, DeviceConfig(device="cpu"))
     plain = LLM(loaded=loaded)
     speculative = LLM(loaded=loaded, speculative_config=speculative_config)
-    counts = _Counts()
-    speculative.engine.observer = counts
     name = model or "the embedded model"
     # Warm-up: each engine's first steps (buffers, the kernels' first calls) are not measured.
     for llm in (plain, speculative):
         llm.chat([{"role": "user", "content": CHAT}], SamplingParams(max_tokens=16, temperature=0))
-    counts.__init__()
+    counts = _Counts()
+    speculative.engine.observer = counts
     rows = []
     for label, prompt in (("editing", editing_prompt(loaded.tokenizer)), ("chat", CHAT)):
         conversation = [{"role": "user", "content": prompt}]

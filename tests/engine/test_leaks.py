@@ -195,8 +195,8 @@ def check_interleaving(
     loaded, specs, speculative=None, *, block_size: int = 32, draft=None
 ) -> None:
     """Run `specs` together on a small engine over `loaded` (speculating with `speculative`,
-    in 8 KV blocks of `block_size`; `draft`: its draft model, loaded) and check the drained state and every request's ending and
-    tokens (see the module docstring)."""
+    with `draft` as its draft model when given, in 8 KV blocks of `block_size`) and check the
+    drained state and every request's ending and tokens (see the module docstring)."""
     tokenizer = loaded.tokenizer
     threads_before = set(threading.enumerate())
     config = make_config(
