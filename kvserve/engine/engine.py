@@ -450,7 +450,6 @@ class Engine:
         )
         self._stopping = False
         self._loop = asyncio.get_running_loop()
-        self.structured.warm()
         self._task = asyncio.create_task(self._run(), name="kvserve-engine")
         self.embedder = decoder_embedder(self)
         await self.embedder.start()

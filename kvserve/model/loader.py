@@ -427,6 +427,7 @@ def _prepared_model(
         dtype=dtype,
         device=device,
         packed=bool(kernels is not None and kernels.int8_gemm_isa),
+        header=getattr(checkpoint, "header", None),
     )
     status = "written"
     try:

@@ -88,7 +88,7 @@ def _sample_file(
             digest.update(file.read(SAMPLE_BYTES))
 
 
-def checkpoint_fingerprint(path: Path) -> str:
+def checkpoint_fingerprint(path: Path, header=None) -> str:
     """A content fingerprint of a checkpoint (a .gguf file or a model directory), in
     milliseconds.
 
@@ -100,6 +100,9 @@ def checkpoint_fingerprint(path: Path) -> str:
     differs in all of them), and 1,024 samples of 4 KiB spread over the whole file. An edit
     confined to bytes outside all samples, keeping the size, would go unseen: no tool that
     writes checkpoints edits them that way.
+
+    `header`: the GGUF file's header when the caller has read it already (a 150k vocabulary
+    makes reading it cost a few tenths of a second).
     """
     digest = hashlib.sha256()
     if path.is_dir():
@@ -107,9 +110,10 @@ def checkpoint_fingerprint(path: Path) -> str:
             if file.suffix in (".safetensors", ".json") and file.is_file():
                 _sample_file(digest, file, 1 << 20, [], label=file.name)
         return digest.hexdigest()
-    from kvserve.model.gguf import read_header
+    if header is None:
+        from kvserve.model.gguf import read_header
 
-    header = read_header(path)
+        header = read_header(path)
     spans = [(t.data_offset, t.nbytes) for t in header.tensors]
     _sample_file(digest, path, header.data_offset, spans)
     return digest.hexdigest()
@@ -131,12 +135,19 @@ def _preparation_digest() -> str:
 
 
 def cache_key(
-    path: Path, *, quantization: str, dtype: torch.dtype, device: torch.device, packed: bool
+    path: Path,
+    *,
+    quantization: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    packed: bool,
+    header=None,
 ) -> str:
-    """The cache key of `path` prepared with these options (see the module docstring)."""
+    """The cache key of `path` prepared with these options (see the module docstring);
+    `header` as for `checkpoint_fingerprint`."""
     material = {
         "format": FORMAT,
-        "checkpoint": checkpoint_fingerprint(path),
+        "checkpoint": checkpoint_fingerprint(path, header),
         "preparation": _preparation_digest(),
         "quantization": quantization,
         "dtype": str(dtype),
