@@ -41,9 +41,8 @@
  * The layout is the same for every instruction set (panels of 16 columns). AVX512 takes a
  * panel in one vector; AVX2 in two, side by side for tiles of 1-2 rows, or in two passes for
  * tiles of 4 rows (whose sums fill its 16 registers).
- * Tiles: up to 4 rows on AVX2, 8 on AVX512 (eight independent vpdpbusd chains hide its
- * latency); each weight record is unpacked once per tile, so at 8-32 rows the unpacking is
- * shared by 4-8 rows. Measured on the shared AVX2 machine (kvserve/bench/blocks_bench.py, the
+ * Tiles: up to 4 rows on AVX2, 8 on AVX512 (4 for the K-quants, see K_ROWS); each weight
+ * record is unpacked once per tile, so at 8-32 rows the unpacking is shared by 4-8 rows. Measured on the shared AVX2 machine (kvserve/bench/blocks_bench.py, the
  * 1.5B's products of a decode step in Q4_K and Q6_K, 4 layers, against kvserve_int8_gemm on
  * the same shapes): at 32 rows 1.0x (2 threads) to 1.4x (1 thread) int8's speed, at 8 rows
  * 1.3-1.9x, at 1 row 2.6-2.8x (the blocks' fewer bytes).
@@ -565,7 +564,7 @@ void kvserve_blocks_silu_mul(const float *gate_up, int64_t rows, int64_t width, 
 #include <immintrin.h>
 #define BLOCKS_ISA 3
 #define VW 16 /* columns per vector */
-#define MR 8  /* rows per tile: 8 independent vpdpbusd chains hide its latency */
+#define MR 8  /* rows per tile at most (K-quants: 4, see K_ROWS) */
 typedef __m512i vi;
 typedef __m512 vf;
 
@@ -728,6 +727,10 @@ ALWAYS void block_sums(const int MR_, const int NV, const int fine, const int bi
     const vi low4 = vi_bytes(0x0F);
     const vi mask = vi_bytes(bits == 2 ? 0x30 : 0x10);
     vi h0[2];
+    /* one row: its even and odd 4-input steps in two chains (the rests' registers, unused
+     * then): one row 6-9% faster on the AVX512 machine (its one chain is latency-bound),
+     * unchanged on the AVX2 path (measured there with -mno-avx512f) */
+    const int split = !fine && MR_ == 1;
     vsum sums[MR][2], rests[MR][2];
     for (int v = 0; v < NV; v++) h0[v] = bits ? vi_load(high + LANES * v) : vi_zero();
     for (int i = 0; i < MR_; i++)
@@ -754,7 +757,10 @@ ALWAYS void block_sums(const int MR_, const int NV, const int fine, const int bi
             const vi x0 = vi_bcast4(p), x1 = vi_bcast4(p + 4);
             _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
                 sums[i][v] = keep(vsum_step(sums[i][v], u0[v], x0));
-                sums[i][v] = keep(vsum_step(sums[i][v], u1[v], x1));
+                if (split) /* a second chain: the first's latency is not waited for */
+                    rests[i][v] = keep(vsum_step(rests[i][v], u1[v], x1));
+                else
+                    sums[i][v] = keep(vsum_step(sums[i][v], u1[v], x1));
             }
             if (fine) { /* the rests, |r| <= 8: far inside the same bounds */
                 const int8_t *pr = rows->r + i * rows->k + offset + 8 * h;
@@ -775,6 +781,10 @@ ALWAYS void block_sums(const int MR_, const int NV, const int fine, const int bi
                         rests[i][v] = vsum_zero();
                     } else {
                         acc[i][v] = keep(vi_add_sum(acc[i][v], sums[i][v]));
+                        if (split) {
+                            acc[i][v] = keep(vi_add_sum(acc[i][v], rests[i][v]));
+                            rests[i][v] = vsum_zero();
+                        }
                     }
                     sums[i][v] = vsum_zero();
                 }
@@ -960,7 +970,17 @@ typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const tile_rows *, co
     }
 
 /* Tiles of 1, 2, 4 (and 8) rows; other counts go as sums of these (7 = 4 + 2 + 1): a row's
- * result is the same in any tile, and half the instances compile in half the time. */
+ * result is the same in any tile, and half the instances compile in half the time.
+ * The K-quants stop at 4 rows (K_ROWS): their sub-block scales and offsets take registers that
+ * 8 rows' sums and results need, and the spills cost more than the shared unpacking saves
+ * (measured on the AVX512 machine, the 1.5B's products: 8 rows 11% and 16 rows 19% faster in
+ * tiles of 4; the 32-wide formats, the 0.5B's Q5_0, stay faster in tiles of 8). */
+#define DEFINE_TILES_4(NAME, FORMAT)                                                               \
+    DEFINE_TILE(NAME, FORMAT, 1)                                                                   \
+    DEFINE_TILE(NAME, FORMAT, 2)                                                                   \
+    DEFINE_TILE(NAME, FORMAT, 4)                                                                   \
+    static const tile_fn tiles_##NAME[MR + 1] = {NULL, tile_##NAME##_1, tile_##NAME##_2, NULL,     \
+                                                 tile_##NAME##_4};
 #if MR == 8
 #define DEFINE_TILES(NAME, FORMAT)                                                                 \
     DEFINE_TILE(NAME, FORMAT, 1)                                                                   \
@@ -971,22 +991,18 @@ typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const tile_rows *, co
                                                  tile_##NAME##_4, NULL, NULL, NULL,               \
                                                  tile_##NAME##_8};
 #else
-#define DEFINE_TILES(NAME, FORMAT)                                                                 \
-    DEFINE_TILE(NAME, FORMAT, 1)                                                                   \
-    DEFINE_TILE(NAME, FORMAT, 2)                                                                   \
-    DEFINE_TILE(NAME, FORMAT, 4)                                                                   \
-    static const tile_fn tiles_##NAME[MR + 1] = {NULL, tile_##NAME##_1, tile_##NAME##_2, NULL,     \
-                                                 tile_##NAME##_4};
+#define DEFINE_TILES(NAME, FORMAT) DEFINE_TILES_4(NAME, FORMAT)
 #endif
+#define K_ROWS (MR < 4 ? MR : 4)
 
 DEFINE_TILES(q4_0, KVSERVE_BLOCKS_Q4_0)
 DEFINE_TILES(q4_1, KVSERVE_BLOCKS_Q4_1)
 DEFINE_TILES(q5_0, KVSERVE_BLOCKS_Q5_0)
 DEFINE_TILES(q5_1, KVSERVE_BLOCKS_Q5_1)
 DEFINE_TILES(q8_0, KVSERVE_BLOCKS_Q8_0)
-DEFINE_TILES(q4_k, KVSERVE_BLOCKS_Q4_K)
-DEFINE_TILES(q5_k, KVSERVE_BLOCKS_Q5_K)
-DEFINE_TILES(q6_k, KVSERVE_BLOCKS_Q6_K)
+DEFINE_TILES_4(q4_k, KVSERVE_BLOCKS_Q4_K)
+DEFINE_TILES_4(q5_k, KVSERVE_BLOCKS_Q5_K)
+DEFINE_TILES_4(q6_k, KVSERVE_BLOCKS_Q6_K)
 
 static const tile_fn *tiles_of(int64_t format) {
     switch (format) {
@@ -1037,7 +1053,7 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
         const uint8_t *data = w->packed + local * records * f->record;
         const int64_t column = local * PANEL, cols = w->n - column < PANEL ? w->n - column : PANEL;
         for (int64_t r = start, count; r < stop; r += count) {
-            count = MR; /* the largest tile that fits the rows left */
+            count = f->values == 256 ? K_ROWS : MR; /* the largest tile that fits the rows left */
             while (count > stop - r) count /= 2;
             const int64_t span = NV_FOR(count) * VW; /* columns of one pass */
             const tile_rows tile = {q + r * k, rest ? rest + r * k : NULL, scales + r * (k / 32),
