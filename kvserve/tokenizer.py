@@ -204,6 +204,19 @@ def _byte_level_bytes(token: str) -> bytes:
     return token.translate(_TO_LATIN1).encode("latin-1")
 
 
+def _model_vocab(data: Mapping[str, Any], backend: Backend) -> Iterable[tuple[str, int]]:
+    """(token, id) of the model's own vocabulary, read from its parsed tokenizer.json when its
+    shape is known (BPE, WordPiece and WordLevel: a dict; Unigram: a list of [piece, score]),
+    else from the backend: `get_vocab` alone costs 0.13 s on a 150k vocabulary."""
+    model = data.get("model") or {}
+    vocab = model.get("vocab")
+    if isinstance(vocab, dict):
+        return vocab.items()
+    if model.get("type") == "Unigram" and isinstance(vocab, list):
+        return ((entry[0], token_id) for token_id, entry in enumerate(vocab))
+    return backend.get_vocab(with_added_tokens=True).items()
+
+
 def _field_value(fields: Mapping[str, Any], key: str, default: Any = None) -> Any:
     """A GGUF metadata value: a gguf ReaderField is unpacked, a plain value is taken as is."""
     field = fields.get(key)
@@ -478,6 +491,12 @@ class _DecoderShape:
             token = _SPACE_MARK * max(0, len(token) - len(kept) - self.first_token_strips) + kept
         return token.replace(_SPACE_MARK, " ").encode("utf-8")
 
+    def all_token_bytes(self, tokens: Sequence[str | None]) -> list[bytes]:
+        """`token_bytes` of each token (None: b""); a byte-level vocabulary goes straight to
+        `_byte_level_bytes`, one call a token fewer on 150k tokens."""
+        one = _byte_level_bytes if self.byte_level else self.token_bytes
+        return [b"" if token is None else one(token) for token in tokens]
+
     @property
     def changes_first_token(self) -> bool:
         return self.first_token_drops_marker or self.first_token_strips > 0
@@ -557,11 +576,17 @@ def _plain_text_data(data: dict[str, Any]) -> dict[str, Any] | None:
     elif model.get("type") == "BPE":
         special_texts = set(specials.values())
         merges = model.get("merges", [])
-        kept = []
-        for merge in merges:
-            left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
-            if not ({left, right, left + right} & special_texts):
-                kept.append(merge)
+        # A merge's parts and result are entries of the model's vocabulary (tokenizers checks
+        # it): with no special text there, no merge can make or use one.
+        kept = merges
+        if any(text in model.get("vocab", {}) for text in special_texts):
+            kept = []
+            for merge in merges:
+                left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
+                if not (
+                    left in special_texts or right in special_texts or left + right in special_texts
+                ):
+                    kept.append(merge)
         whole_words = bool(model.get("ignore_merges"))
         if whole_words and model.get("byte_fallback"):
             # A SentencePiece vocabulary is closed under its joins: taking a whole word from
@@ -839,15 +864,13 @@ class Tokenizer:
 
         vocab_size = backend.get_vocab_size(with_added_tokens=True)
         tokens: list[str | None] = [None] * vocab_size
-        for token, token_id in backend.get_vocab(with_added_tokens=True).items():
+        for token, token_id in _model_vocab(data, backend):
             if token_id < vocab_size:
                 tokens[token_id] = token
         for token_id, added_token in added.items():  # an added token's spelling wins, as there
             if token_id < vocab_size:
                 tokens[token_id] = added_token.content
-        self._token_bytes = [
-            b"" if token is None else self._decoding.token_bytes(token) for token in tokens
-        ]
+        self._token_bytes = self._decoding.all_token_bytes(tokens)
         self._first_token_bytes: list[bytes] | None = None
         if self._decoding.changes_first_token:
             self._first_token_bytes = [
