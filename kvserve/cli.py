@@ -237,7 +237,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         help='JSON, as vLLM: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4} guesses tokens by prompt lookup and '
         'verifies them inside the step; "disable_by_batch_size" (default 8): above this many '
-        "decoding sequences nobody speculates (default: off)",
+        'decoding sequences nobody speculates; "disable_when_slower" (default true): below it, '
+        "steps speculate only while measured faster than plain decoding (default: off)",
     )
     g = parser.add_argument_group("chat")
     g.add_argument(

@@ -194,6 +194,8 @@ class SpeculativeConfig:
     found earlier in them, and what followed it. "draft_model" guesses with a smaller `model`
     of the same vocabulary. Guesses are verified inside the step (kvserve/core/spec.py).
     `disable_by_batch_size`: with more decoding sequences than this in a step, none speculates.
+    `disable_when_slower` (default on): below that, a step speculates only while it measures
+    faster than plain decoding at its batch size (kvserve/core/spec.py, `Payoff`).
     """
 
     method: str = "ngram"
@@ -202,6 +204,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: str | None = None
     disable_by_batch_size: int = DEFAULT_SPEC_DISABLE_BATCH_SIZE
+    disable_when_slower: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -216,6 +219,10 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.disable_when_slower, bool):
+            raise ValueError(
+                f"disable_when_slower must be true or false, got {self.disable_when_slower!r}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
@@ -228,15 +235,17 @@ class SpeculativeConfig:
 
     def describe(self) -> str:
         """One line for the banner."""
+        off = f"off above {self.disable_by_batch_size} decoding sequences"
+        if self.disable_when_slower:
+            off += " and where measured slower than plain decoding"
         if self.method == "ngram":
             return (
                 f"speculative decoding: ngram prompt lookup, {self.num_speculative_tokens} "
-                f"tokens, n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max}; off above "
-                f"{self.disable_by_batch_size} decoding sequences"
+                f"tokens, n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max}; {off}"
             )
         return (
             f"speculative decoding: draft model {self.model}, {self.num_speculative_tokens} "
-            f"tokens; off above {self.disable_by_batch_size} decoding sequences"
+            f"tokens; {off}"
         )
 
 
@@ -247,6 +256,7 @@ _SPEC_KEYS = {
     "prompt_lookup_max",
     "model",
     "disable_by_batch_size",
+    "disable_when_slower",
 }
 
 

@@ -58,7 +58,10 @@ while the step has at most `disable_by_batch_size` decoding sequences) may add g
 after its decode row: at most its `Acceptance.k`, at most `num_remaining - 1` (the budget holds
 the bonus token too), only with blocks its table has or the free pool gives (guesses never
 preempt). The update keeps the accepted prefix and the one token chosen after it, and rolls
-back the rest (`KVManager.rollback`).
+back the rest (`KVManager.rollback`). Under that cap, with `disable_when_slower`, a step
+speculates only where it pays: `Payoff` (kvserve/core/spec.py) measures tokens a second with
+and without speculation at each batch size, from the wall time the engine reports for each
+step of decoding rows only (`observe_step`), and takes the faster kind.
 
 n > 1 (`Prompt.n`): one request, n sequences admitted all or nothing. The first (the leader)
 prefills; the others wait. The chunk that completes the prompt samples n tokens from its last
@@ -82,7 +85,7 @@ from kvserve.core.kv_manager import NO_HITS, ComputedBlocks, KVManager
 from kvserve.core.plan import ChunkPlan, StepPlan
 from kvserve.core.queue import AdmissionQueue, CapacitySignal, Outcome, Waiter
 from kvserve.core.sequence import Sequence, SequenceStatus
-from kvserve.core.spec import Acceptance, propose_ngram
+from kvserve.core.spec import Acceptance, Payoff, propose_ngram
 
 Proposer = Callable[[Sequence, int], Seq[int]]
 """Guesses for a decoding sequence: (the sequence, at most how many) -> the guessed tokens."""
@@ -150,6 +153,12 @@ class Scheduler:
         self._pending_step: int | None = None  # the planned step awaiting update()
         self.num_preemptions = 0  # sequences preempted so far
         self._spec = speculative
+        self.payoff = (
+            Payoff() if speculative is not None and speculative.disable_when_slower else None
+        )
+        # The pending step's measurement, when it has decoding rows only: (step, batch size,
+        # whether it speculated, tokens it gave so far).
+        self._measured: tuple[int, int, bool, int] | None = None
         # With a window: the most blocks a sequence holds at once (None: no cap).
         self._window_blocks = kv.window_blocks(
             min(config.prefill_chunk, config.max_num_batched_tokens)
@@ -536,6 +545,12 @@ class Scheduler:
         ]
         if not decoding or len(decoding) > spec.disable_by_batch_size:
             return {}
+        if self.payoff is not None:
+            speculates = self.payoff.speculates(len(decoding))
+            if len(decoding) == len(granted):  # decoding rows only: a step to measure
+                self._measured = (self._num_steps, len(decoding), speculates, 0)
+            if not speculates:
+                return {}
         drafts: dict[str, tuple[int, ...]] = {}
         wanting: list[tuple[Sequence, int]] = []
         for seq in decoding:
@@ -698,14 +713,19 @@ class Scheduler:
             if chunk.start != seq.num_computed or chunk.slot != seq.slot:
                 raise ValueError(f"chunk for {chunk.request_id!r} does not match its sequence")
         finished: list[Sequence] = []
+        emitted = 0  # tokens the decoding rows gave (what `Payoff` measures)
         for chunk in plan.chunks:
             seq = self._by_id.get(chunk.request_id)
             if seq is None or seq.status is not RUNNING:
                 continue
             if chunk.is_speculative:
+                before = seq.num_output
                 if self._verified(seq, chunk, sampled, seq.seq_id in stopped):
                     finished.append(seq)
+                emitted += seq.num_output - before
                 continue
+            if not chunk.is_prefill:
+                emitted += len(chunk.sampler_ids)
             seq.num_computed += chunk.num_tokens
             for seq_id in chunk.sampler_ids:
                 target = self._by_id.get(seq_id)
@@ -728,7 +748,18 @@ class Scheduler:
             self._kv.publish(seq)
         self._kv.drop_copy_sources(plan)
         self._pending_step = None
+        if self._measured is not None and self._measured[0] == plan.step:
+            self._measured = (*self._measured[:3], emitted)
         return finished
+
+    def observe_step(self, plan: StepPlan, seconds: float) -> None:
+        """`plan`, updated, took `seconds` of wall time from its planning on (a draft model's
+        guesses included): the speculation rule measures the steps of decoding rows only."""
+        measured, self._measured = self._measured, None
+        if self.payoff is None or measured is None or measured[0] != plan.step:
+            return
+        _, batch, speculated, tokens = measured
+        self.payoff.observe(batch, speculated, tokens, seconds)
 
     def _verified(
         self,

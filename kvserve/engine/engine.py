@@ -785,6 +785,7 @@ class Engine:
         A step that raises fails the requests it touched through the one release path; the
         scheduler publishes nothing from it.
         """
+        planning = time.monotonic()
         plan = self.scheduler.schedule()
         self._preempted(plan)
         if plan.num_rows == 0 and not plan.copies:
@@ -804,7 +805,9 @@ class Engine:
             return True
         self._update(plan, output)
         self.num_steps += 1
-        self.observer.on_step(plan, time.monotonic() - started)
+        now = time.monotonic()
+        self.scheduler.observe_step(plan, now - planning)
+        self.observer.on_step(plan, now - started)
         return plan.num_rows > 0
 
     def _preempted(self, plan: StepPlan) -> None:

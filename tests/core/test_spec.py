@@ -7,7 +7,15 @@ import pytest
 
 from kvserve.config import SchedulerConfig, SpeculativeConfig, parse_speculative_config
 from kvserve.core import BlockPool, KVManager, Prompt, Scheduler, make_sequences
-from kvserve.core.spec import REST_STEPS, Acceptance, propose_ngram
+from kvserve.core.spec import (
+    PROBE_PERIOD,
+    PROBE_STEPS,
+    REST_STEPS,
+    WARMUP_STEPS,
+    Acceptance,
+    Payoff,
+    propose_ngram,
+)
 
 # -- the proposer --------------------------------------------------------------------------------
 
@@ -251,3 +259,126 @@ def test_counts_only_updates_treat_a_speculative_chunk_as_one_token():
     scheduler.update(plan)
     assert seq.num_output == 2 and seq.num_computed == seq.num_tokens - 1
     assert pool.check_whole()
+
+
+# -- whether speculation pays (measured) -----------------------------------------------------------
+
+
+def _run_payoff(payoff, batch, steps, seconds_on, seconds_off, tokens_on=3):
+    """`steps` decisions at `batch`, each step observed with the given costs; the choices."""
+    choices = []
+    for _ in range(steps):
+        on = payoff.speculates(batch)
+        choices.append(on)
+        if on:
+            payoff.observe(batch, True, tokens_on, seconds_on)
+        else:
+            payoff.observe(batch, False, 1, seconds_off)
+    return choices
+
+
+def test_payoff_measures_both_kinds_then_takes_the_faster_and_probes_the_other():
+    payoff = Payoff()
+    # The warm-up: speculating first (its first step pays the switch and is not measured),
+    # then plain steps (likewise): WARMUP_STEPS measured of each.
+    warm = 2 * (WARMUP_STEPS + 1)
+    # Speculating gives 3 tokens in 0.05 s (60 a second), plain 1 in 0.02 s (50 a second).
+    choices = _run_payoff(payoff, 1, warm + 2 * (PROBE_PERIOD + PROBE_STEPS + 1), 0.05, 0.02)
+    assert choices[:warm] == [True] * (WARMUP_STEPS + 1) + [False] * (WARMUP_STEPS + 1)
+    cycle = [True] * PROBE_PERIOD + [False] * (PROBE_STEPS + 1)
+    assert choices[warm:] == cycle * 2
+    on, off = payoff.rates(1)
+    assert on == pytest.approx(60.0) and off == pytest.approx(50.0)
+
+    # Where speculation is slower (3 tokens in 0.07 s: 43 a second), plain decoding is kept,
+    # with a speculating probe now and then; another batch size is measured on its own.
+    slower = Payoff()
+    choices = _run_payoff(slower, 1, warm + PROBE_PERIOD + PROBE_STEPS + 1, 0.07, 0.02)
+    assert choices[warm:] == [False] * PROBE_PERIOD + [True] * (PROBE_STEPS + 1)
+    assert slower.rates(2) == (0.0, 0.0)
+    assert slower.speculates(2)
+
+
+def test_payoff_follows_a_change_of_costs_through_its_probes():
+    payoff = Payoff()
+    _run_payoff(payoff, 1, 2 * (WARMUP_STEPS + 1), 0.05, 0.02)  # speculation pays
+    assert payoff.speculates(1)
+    payoff.observe(1, True, 3, 0.05)
+    # Now the guesses fail: one token a speculating step, 0.05 s (20 a second, plain 50).
+    choices = _run_payoff(payoff, 1, 4 * (PROBE_PERIOD + PROBE_STEPS + 1), 0.05, 0.02, tokens_on=1)
+    cycle = PROBE_PERIOD + PROBE_STEPS + 1
+    # A few speculating steps show the change; from then on only the probes speculate.
+    assert sum(choices[-2 * cycle :]) == 2 * (PROBE_STEPS + 1)
+    assert not any(choices[3 : PROBE_PERIOD - PROBE_STEPS - 1])
+
+
+def test_payoff_ignores_steps_it_did_not_choose_and_empty_ones():
+    payoff = Payoff()
+    payoff.observe(1, True, 3, 0.05)  # no decision at this size yet
+    assert payoff.rates(1) == (0.0, 0.0)
+    assert payoff.speculates(1)
+    payoff.observe(1, True, 3, 0.05)  # the switch step: not measured
+    payoff.observe(1, False, 1, 0.02)  # not the kind chosen
+    payoff.observe(1, True, 0, 0.05)  # no tokens
+    assert payoff.rates(1) == (0.0, 0.0)
+    payoff.observe(1, True, 3, 0.05)
+    assert payoff.rates(1) == (pytest.approx(60.0), 0.0)
+
+
+def _timed_step(scheduler, tokens_for, seconds_for):
+    """`_step`, then the wall time `seconds_for(plan)` reported as the engine does."""
+    plan = _step(scheduler, tokens_for)
+    scheduler.observe_step(plan, seconds_for(plan))
+    return plan
+
+
+def test_the_scheduler_stops_speculating_where_its_steps_measure_slower():
+    """With `disable_when_slower` (the default) the scheduler measures the steps of decoding
+    rows only, as the engine reports them, and plans the faster kind: here a speculating step
+    keeps all its guesses (5 tokens) but costs 10x a plain step, so after the warm-up only the
+    probes guess."""
+
+    def run(scheduler, steps):
+        seq = _admitted(scheduler, "a", [1, 2, 3, 4, 5, 6, 7] * 4, max_tokens=400)
+
+        def follow(chunk):  # the target agrees with every guess and goes on as prompt lookup
+            tokens = list(seq.all_token_ids) + list(chunk.draft_token_ids)
+            token = propose_ngram(tokens, 1, 1, 4)[0]
+            return (*chunk.draft_token_ids, token) if chunk.is_speculative else token
+
+        def cost(plan):
+            return 0.2 if any(chunk.is_speculative for chunk in plan.chunks) else 0.02
+
+        first = _timed_step(scheduler, follow, cost)  # the prompt: not measured
+        assert first.chunks[0].is_prefill
+        plans = [_timed_step(scheduler, follow, cost) for _ in range(steps)]
+        return [plan.chunks[0].is_speculative for plan in plans]
+
+    def scheduler_with(spec):
+        pool = BlockPool(128, 4)
+        return Scheduler(SchedulerConfig(max_num_seqs=2), KVManager(pool), 512, speculative=spec)
+
+    scheduler = scheduler_with(SpeculativeConfig(num_speculative_tokens=4))
+    assert scheduler.payoff is not None
+    speculating = run(scheduler, 2 * (WARMUP_STEPS + 1) + 20)
+    assert speculating[: WARMUP_STEPS + 1] == [True] * (WARMUP_STEPS + 1)
+    assert not any(speculating[WARMUP_STEPS + 1 :])
+    on, off = scheduler.payoff.rates(1)
+    assert on == pytest.approx(25.0) and off == pytest.approx(50.0)
+
+    # Without the rule the same costs do not matter: every step guesses.
+    plain = scheduler_with(SpeculativeConfig(num_speculative_tokens=4, disable_when_slower=False))
+    assert plain.payoff is None
+    assert all(run(plain, 12))
+
+
+def test_disable_when_slower_is_read_and_checked():
+    assert SpeculativeConfig().disable_when_slower
+    spec = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 2, "disable_when_slower": false}'
+    )
+    assert not spec.disable_when_slower
+    assert "measured slower" not in spec.describe()
+    assert "measured slower" in SpeculativeConfig().describe()
+    with pytest.raises(ValueError, match="disable_when_slower"):
+        SpeculativeConfig(disable_when_slower="no")

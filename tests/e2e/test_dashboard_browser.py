@@ -67,7 +67,7 @@ def test_the_dashboard_draws_the_live_engine(
     # Prompt-lookup speculation on, so the strip also shows verification rows.
     config = dataclasses.replace(
         engine_config(max_num_seqs=NUM_SLOTS, max_queue_per_slot=QUEUE_PER_SLOT),
-        speculative=SpeculativeConfig(num_speculative_tokens=4),
+        speculative=SpeculativeConfig(num_speculative_tokens=4, disable_when_slower=False),
     )
     server = server_factory(config)
     engine = server.state.engine

@@ -156,14 +156,19 @@ def test_any_interleaving_drains_to_an_idle_engine(loaded_fp32, specs):
     check_interleaving(loaded_fp32, specs)
 
 
+# Every step that can guesses (the rule that stops where guessing measures slower is off), so
+# every interleaving rolls back.
+SPECULATIVE = SpeculativeConfig(
+    num_speculative_tokens=3, prompt_lookup_min=1, disable_when_slower=False
+)
+
+
 # Speculative decoding on: the word prompts repeat, so prompt lookup guesses, some accepted and
 # some rolled back; cancels land between and after verifications, slow consumers fall behind
 # on several tokens a step. The answers are still the ones the prompt gets alone without it.
 @interleavings(10)
 def test_any_interleaving_with_speculation_drains_to_an_idle_engine(loaded_fp32, specs):
-    check_interleaving(
-        loaded_fp32, specs, SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
-    )
+    check_interleaving(loaded_fp32, specs, SPECULATIVE)
 
 
 # A tiny model whose every layer attends to the last 16 positions (tests/conftest.py), in blocks
@@ -173,7 +178,7 @@ def test_any_interleaving_with_speculation_drains_to_an_idle_engine(loaded_fp32,
 def test_any_interleaving_on_a_windowed_model_drains_to_an_idle_engine(windowed_mistral, specs):
     speculative = None
     if len(specs) % 2 == 0:
-        speculative = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+        speculative = SPECULATIVE
     check_interleaving(windowed_mistral[1], specs, speculative, block_size=16)
 
 

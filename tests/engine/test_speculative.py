@@ -113,7 +113,7 @@ def test_answers_are_unchanged_in_a_mixed_batch(weights, request):
     loaded = request.getfixturevalue(weights)
     plain, plain_steps, _, _, plain_rows = _run(loaded, None)
     spec, spec_steps, idle, drafts, spec_rows = _run(
-        loaded, SpeculativeConfig(num_speculative_tokens=4)
+        loaded, SpeculativeConfig(num_speculative_tokens=4, disable_when_slower=False)
     )
     assert idle
     for name in plain:
@@ -182,6 +182,43 @@ def tiny_model(tmp_path_factory):
         device=torch.device("cpu"),
         kernels=load_kernels(),
     )
+
+
+def test_the_engine_measures_whether_speculation_pays(loaded_fp32):
+    """By default (`disable_when_slower`) the engine reports each decoding step's wall time to
+    the scheduler, which measures both kinds of step at the batch size before it picks one: one
+    stream here, so some steps guess and some do not, and the answer is the plain one."""
+    config = dataclasses.replace(make_config(slots=4, blocks=64), speculative=None)
+    code = loaded_fp32.tokenizer.encode(CODE)
+
+    def answer(speculative):
+        observer = Drafts()
+
+        async def body(engine):
+            engine.observer.observers = (*engine.observer.observers, observer)
+            deltas = [
+                d
+                async for d in engine.submit(
+                    request(code, max_tokens=48, temperature=0, ignore_eos=True)
+                )
+            ]
+            payoff = engine.scheduler.payoff
+            return [t for d in deltas for t in d.token_ids], engine.num_steps, payoff
+
+        tokens, steps, payoff = run_engine(
+            loaded_fp32, dataclasses.replace(config, speculative=speculative), body
+        )
+        return tokens, steps, payoff, observer
+
+    plain, plain_steps, none, _ = answer(None)
+    assert none is None
+    spec = SpeculativeConfig(num_speculative_tokens=4)
+    assert spec.disable_when_slower
+    tokens, steps, payoff, drafts = answer(spec)
+    assert tokens == plain
+    on, off = payoff.rates(1)
+    assert on > 0 and off > 0  # both kinds were measured, in tokens a second
+    assert 0 < len(drafts.verified) < steps - 1  # some steps guessed, others did not
 
 
 def _first_three(model, prompt, params, *, speculative, num_samples, slots=120):
