@@ -202,8 +202,7 @@ def spec_section(args: argparse.Namespace) -> list[str]:
         models.append(name)
     lines = [
         "### Speculative decoding, prompt lookup (k = 4), one stream\n",
-        "| model | workload | answer tokens | off tok/s | on tok/s | on/off | same answer |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+        *spec_bench.ONE_STREAM_HEADER,
     ]
     for model in models:
         lines += spec_bench.measure(model, runs=3)

@@ -8,8 +8,10 @@ pay. Each model is loaded once; an engine without speculation and one with
 `{"method": "ngram", "num_speculative_tokens": 4}` each answer a short warm-up request, then
 answer greedily in turn (`--runs` times each), and an ordinary chat prompt the same way. With
 `--draft`, the guesses come from that draft model instead (`{"model": DRAFT_MODEL, ...}`);
-`-k` sets the number of guesses. Reported: output tok/s (the median run), the ratio, whether
-the answers are token for token the same, and the acceptance per guess position.
+`-k` sets the number of guesses. A third engine guesses at every step it can
+(`"disable_when_slower": false`), beside the default that steps aside where guessing measures
+slower. Reported: output tok/s (the median run), the ratios, whether the answers are token for
+token the same, and the acceptance per guess position (of the default engine).
 `--batches 1,8,32` measures many editing streams at once instead (`measure_batches`).
 """
 
@@ -26,6 +28,11 @@ from collections.abc import Sequence
 from kvserve.bench.run import machine_line
 
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4}
+ONE_STREAM_HEADER = [
+    "| model | workload | answer tokens | off tok/s | on tok/s | on/off | every step tok/s "
+    "| every step/off | same answer |",
+    "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+]
 CHAT = "Explain in a few sentences how a hash table works and when to use one."
 
 
@@ -75,9 +82,13 @@ def measure(model: str | None, runs: int, speculative_config: dict = SPECULATIVE
     loaded = load_model(model, DeviceConfig(device="cpu"))
     plain = LLM(loaded=loaded)
     speculative = LLM(loaded=loaded, speculative_config=speculative_config)
+    always = LLM(
+        loaded=loaded, speculative_config={**speculative_config, "disable_when_slower": False}
+    )
+    engines = (("off", plain), ("on", speculative), ("always", always))
     name = model or "the embedded model"
     # Warm-up: each engine's first steps (buffers, the kernels' first calls) are not measured.
-    for llm in (plain, speculative):
+    for _, llm in engines:
         llm.chat([{"role": "user", "content": CHAT}], SamplingParams(max_tokens=16, temperature=0))
     counts = _Counts()
     speculative.engine.observer = counts
@@ -85,26 +96,27 @@ def measure(model: str | None, runs: int, speculative_config: dict = SPECULATIVE
     for label, prompt in (("editing", editing_prompt(loaded.tokenizer)), ("chat", CHAT)):
         conversation = [{"role": "user", "content": prompt}]
         params = SamplingParams(max_tokens=700 if label == "editing" else 160, temperature=0)
-        speeds: dict[str, list[float]] = {"off": [], "on": []}
+        speeds: dict[str, list[float]] = {key: [] for key, _ in engines}
         answers = {}
         for _ in range(runs):
-            for key, llm in (("off", plain), ("on", speculative)):
+            for key, llm in engines:
                 started = time.perf_counter()
                 output = llm.chat(conversation, params)[0].outputs[0]
                 seconds = time.perf_counter() - started
                 speeds[key].append(len(output.token_ids) / seconds)
                 answers[key] = list(output.token_ids)
-        off, on = statistics.median(speeds["off"]), statistics.median(speeds["on"])
+        off, on, every = (statistics.median(speeds[key]) for key, _ in engines)
+        same = answers["on"] == answers["off"] == answers["always"]
         rows.append(
             f"| {name} | {label} | {len(answers['off'])} | {off:.1f} | {on:.1f} | "
-            f"{on / off:.2f}x | {'yes' if answers['on'] == answers['off'] else 'NO'} |"
+            f"{on / off:.2f}x | {every:.1f} | {every / off:.2f}x | {'yes' if same else 'NO'} |"
         )
     rates = ", ".join(
         f"{r:.0%}" for r in counts.rates(speculative_config["num_speculative_tokens"])
     )
-    rows.append(f"| {name} | acceptance by guess position (both workloads) | {rates} | | | | |")
-    plain.close()
-    speculative.close()
+    rows.append(f"| {name} | acceptance by guess position (both workloads) | {rates} | | | | | | |")
+    for _, llm in engines:
+        llm.close()
     return rows
 
 
@@ -204,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"### Speculative decoding, {method}, one stream ({machine_line()})",
         "",
-        "| model | workload | answer tokens | off tok/s | on tok/s | on/off | same answer |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+        *ONE_STREAM_HEADER,
     ]
     for model in args.models or [None]:
         lines += measure(model, args.runs, config)

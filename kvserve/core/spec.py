@@ -104,16 +104,21 @@ class Acceptance:
                 self.k = max(self.k // 2, 1)
 
 
-# Payoff's measurement: the steps of each kind measured at a batch size before the faster kind
-# is preferred; then, after every PROBE_PERIOD steps of the preferred kind, PROBE_STEPS of the
-# other, so that a change (other prompts, another load) is seen. The first step after a switch
-# is not measured: it pays the switch (the draft model catching up on the tokens it missed).
-# Rates are exponential averages of seconds and tokens (their ratio: tokens a second), with
-# weight SMOOTHING for the newest step. A probe costs at most PROBE_STEPS + 1 steps of the
-# slower kind in PROBE_PERIOD + PROBE_STEPS + 1: under 1% of the speed at a 10% difference.
+# Payoff's measurement: the steps of each kind measured at a batch size before one is preferred
+# (WARMUP_STEPS each); then, after every `period` steps of the preferred kind, PROBE_STEPS of
+# the other, so that a change (other prompts, another load) is seen. The period starts at
+# PROBE_PERIOD and doubles, up to MAX_PROBE_PERIOD, each time a probe leaves the preference as it
+# was. The preference changes only when the other kind measures faster by MARGIN: each switch
+# costs a step that is not measured (the first after it, which pays for the switch: a draft
+# model catching up on the tokens it missed), so two kinds about as fast must not alternate.
+# Speculation is preferred after the warm-up only when it is faster by MARGIN. Rates are
+# exponential averages of seconds and tokens (their ratio: tokens a second), with weight
+# SMOOTHING for the newest step.
 WARMUP_STEPS = 4
 PROBE_PERIOD = 48
+MAX_PROBE_PERIOD = 384
 PROBE_STEPS = 4
+MARGIN = 0.05
 SMOOTHING = 0.1
 
 
@@ -142,9 +147,21 @@ class _SizeRecord:
 
     on: _Rate = field(default_factory=_Rate)
     off: _Rate = field(default_factory=_Rate)
-    clock: int = 0  # decisions taken after the warm-up
+    preferred: bool | None = None  # the kind taken between probes (None: in the warm-up)
+    period: int = PROBE_PERIOD  # steps of the preferred kind before the next probe
+    clock: int = 0  # decisions since the last probe ended
     last: bool | None = None  # the kind chosen last
     switched: bool = True  # the last choice changed the kind (its step is not measured)
+
+    def prefer(self) -> bool:
+        """The preferred kind, after the warm-up: changed only for one faster by MARGIN."""
+        on, off = self.on.per_second, self.off.per_second
+        if self.preferred is None:
+            self.preferred = on > off * (1 + MARGIN)
+        elif (off if self.preferred else on) > (on if self.preferred else off) * (1 + MARGIN):
+            self.preferred = not self.preferred
+            self.period, self.clock = PROBE_PERIOD, 0
+        return self.preferred
 
 
 class Payoff:
@@ -153,9 +170,9 @@ class Payoff:
     The scheduler asks `speculates(batch)` when it plans a step of decoding sequences, and the
     engine reports the step's tokens and wall time (planning, which runs a draft model, included)
     through `observe` for the steps without prefill rows. At each batch size both kinds of step
-    are measured (WARMUP_STEPS each), then the kind with more tokens a second is taken, with a
-    short probe of the other every PROBE_PERIOD steps. Only wall time and tokens are compared, so
-    the rule holds for either method, any acceptance, any machine.
+    are measured (WARMUP_STEPS each), then the kind with more tokens a second is taken (by a
+    MARGIN), with a short probe of the other now and then. Only wall time and tokens are
+    compared, so the rule holds for either method, any acceptance, any machine.
     """
 
     def __init__(self) -> None:
@@ -170,10 +187,12 @@ class Payoff:
         elif record.off.samples < WARMUP_STEPS:
             choice = False
         else:
-            preferred = record.on.per_second >= record.off.per_second
-            phase = record.clock % (PROBE_PERIOD + PROBE_STEPS + 1)
+            preferred = record.prefer()
+            choice = preferred if record.clock < record.period else not preferred
             record.clock += 1
-            choice = preferred if phase < PROBE_PERIOD else not preferred
+            if record.clock == record.period + PROBE_STEPS + 1:  # a probe ended, no change
+                record.clock = 0
+                record.period = min(2 * record.period, MAX_PROBE_PERIOD)
         record.switched = choice != record.last
         record.last = choice
         return choice

@@ -8,6 +8,8 @@ import pytest
 from kvserve.config import SchedulerConfig, SpeculativeConfig, parse_speculative_config
 from kvserve.core import BlockPool, KVManager, Prompt, Scheduler, make_sequences
 from kvserve.core.spec import (
+    MARGIN,
+    MAX_PROBE_PERIOD,
     PROBE_PERIOD,
     PROBE_STEPS,
     REST_STEPS,
@@ -282,21 +284,37 @@ def test_payoff_measures_both_kinds_then_takes_the_faster_and_probes_the_other()
     # The warm-up: speculating first (its first step pays the switch and is not measured),
     # then plain steps (likewise): WARMUP_STEPS measured of each.
     warm = 2 * (WARMUP_STEPS + 1)
+    probe = PROBE_STEPS + 1
     # Speculating gives 3 tokens in 0.05 s (60 a second), plain 1 in 0.02 s (50 a second).
-    choices = _run_payoff(payoff, 1, warm + 2 * (PROBE_PERIOD + PROBE_STEPS + 1), 0.05, 0.02)
+    choices = _run_payoff(payoff, 1, warm + 3 * PROBE_PERIOD + 2 * probe, 0.05, 0.02)
     assert choices[:warm] == [True] * (WARMUP_STEPS + 1) + [False] * (WARMUP_STEPS + 1)
-    cycle = [True] * PROBE_PERIOD + [False] * (PROBE_STEPS + 1)
-    assert choices[warm:] == cycle * 2
+    # Probes that change nothing come half as often each time.
+    assert choices[warm:] == (
+        [True] * PROBE_PERIOD + [False] * probe + [True] * 2 * PROBE_PERIOD + [False] * probe
+    )
     on, off = payoff.rates(1)
     assert on == pytest.approx(60.0) and off == pytest.approx(50.0)
 
     # Where speculation is slower (3 tokens in 0.07 s: 43 a second), plain decoding is kept,
     # with a speculating probe now and then; another batch size is measured on its own.
     slower = Payoff()
-    choices = _run_payoff(slower, 1, warm + PROBE_PERIOD + PROBE_STEPS + 1, 0.07, 0.02)
-    assert choices[warm:] == [False] * PROBE_PERIOD + [True] * (PROBE_STEPS + 1)
+    choices = _run_payoff(slower, 1, warm + PROBE_PERIOD + probe, 0.07, 0.02)
+    assert choices[warm:] == [False] * PROBE_PERIOD + [True] * probe
     assert slower.rates(2) == (0.0, 0.0)
     assert slower.speculates(2)
+
+
+def test_payoff_does_not_alternate_between_kinds_about_as_fast():
+    """Within MARGIN of each other the kinds stay as they are (each switch costs a step that is
+    not measured), and speculation must be faster by MARGIN to be taken at all."""
+    payoff = Payoff()
+    warm = 2 * (WARMUP_STEPS + 1)
+    # 3 tokens in 0.0588 s: 51 a second against plain decoding's 50.
+    assert 1 + MARGIN > 51 / 50
+    choices = _run_payoff(payoff, 1, warm + 3 * PROBE_PERIOD + PROBE_STEPS + 1, 0.0588, 0.02)
+    assert choices[warm:] == (
+        [False] * PROBE_PERIOD + [True] * (PROBE_STEPS + 1) + [False] * 2 * PROBE_PERIOD
+    )
 
 
 def test_payoff_follows_a_change_of_costs_through_its_probes():
@@ -305,11 +323,20 @@ def test_payoff_follows_a_change_of_costs_through_its_probes():
     assert payoff.speculates(1)
     payoff.observe(1, True, 3, 0.05)
     # Now the guesses fail: one token a speculating step, 0.05 s (20 a second, plain 50).
-    choices = _run_payoff(payoff, 1, 4 * (PROBE_PERIOD + PROBE_STEPS + 1), 0.05, 0.02, tokens_on=1)
-    cycle = PROBE_PERIOD + PROBE_STEPS + 1
-    # A few speculating steps show the change; from then on only the probes speculate.
-    assert sum(choices[-2 * cycle :]) == 2 * (PROBE_STEPS + 1)
-    assert not any(choices[3 : PROBE_PERIOD - PROBE_STEPS - 1])
+    choices = _run_payoff(payoff, 1, 200, 0.05, 0.02, tokens_on=1)
+    # A few speculating steps show the change; then the probes start again from the shortest
+    # period.
+    first = choices.index(False)
+    assert first <= 5
+    probe = PROBE_STEPS + 1
+    assert choices[first:] == (
+        [False] * PROBE_PERIOD
+        + [True] * probe
+        + [False] * 2 * PROBE_PERIOD
+        + [True] * probe
+        + [False] * (200 - first - 3 * PROBE_PERIOD - 2 * probe)
+    )
+    assert MAX_PROBE_PERIOD >= 2 * PROBE_PERIOD
 
 
 def test_payoff_ignores_steps_it_did_not_choose_and_empty_ones():
