@@ -157,8 +157,8 @@ class Scheduler:
             Payoff() if speculative is not None and speculative.disable_when_slower else None
         )
         # The pending step's measurement, when it has decoding rows only: (step, batch size,
-        # whether it speculated, tokens it gave so far).
-        self._measured: tuple[int, int, bool, int] | None = None
+        # tokens it gave).
+        self._measured: tuple[int, int, int] | None = None
         # With a window: the most blocks a sequence holds at once (None: no cap).
         self._window_blocks = kv.window_blocks(
             min(config.prefill_chunk, config.max_num_batched_tokens)
@@ -546,10 +546,9 @@ class Scheduler:
         if not decoding or len(decoding) > spec.disable_by_batch_size:
             return {}
         if self.payoff is not None:
-            speculates = self.payoff.speculates(len(decoding))
             if len(decoding) == len(granted):  # decoding rows only: a step to measure
-                self._measured = (self._num_steps, len(decoding), speculates, 0)
-            if not speculates:
+                self._measured = (self._num_steps, len(decoding), 0)
+            if not self.payoff.speculates(len(decoding)):
                 return {}
         drafts: dict[str, tuple[int, ...]] = {}
         wanting: list[tuple[Sequence, int]] = []
@@ -753,7 +752,7 @@ class Scheduler:
         self._kv.drop_copy_sources(plan)
         self._pending_step = None
         if self._measured is not None and self._measured[0] == plan.step:
-            self._measured = (*self._measured[:3], emitted)
+            self._measured = (*self._measured[:2], emitted)
         return finished
 
     def observe_step(self, plan: StepPlan, seconds: float) -> None:
@@ -762,8 +761,8 @@ class Scheduler:
         measured, self._measured = self._measured, None
         if self.payoff is None or measured is None or measured[0] != plan.step:
             return
-        _, batch, speculated, tokens = measured
-        self.payoff.observe(batch, speculated, tokens, seconds)
+        _, batch, tokens = measured
+        self.payoff.observe(batch, plan.num_draft_rows > 0, tokens, seconds)
 
     def _verified(
         self,

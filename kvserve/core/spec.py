@@ -104,16 +104,15 @@ class Acceptance:
                 self.k = max(self.k // 2, 1)
 
 
-# Payoff's measurement: the steps of each kind measured at a batch size before one is preferred
-# (WARMUP_STEPS each); then, after every `period` steps of the preferred kind, PROBE_STEPS of
-# the other, so that a change (other prompts, another load) is seen. The period starts at
-# PROBE_PERIOD and doubles, up to MAX_PROBE_PERIOD, each time a probe leaves the preference as it
-# was. The preference changes only when the other kind measures faster by MARGIN: each switch
-# costs a step that is not measured (the first after it, which pays for the switch: a draft
-# model catching up on the tokens it missed), so two kinds about as fast must not alternate.
-# Speculation is preferred after the warm-up only when it is faster by MARGIN. Rates are
-# exponential averages of seconds and tokens (their ratio: tokens a second), with weight
-# SMOOTHING for the newest step.
+# Payoff's measurement: WARMUP_STEPS guessing steps and as many plain ones at a batch size before
+# one kind is preferred; then, when the other kind has not been measured for `period` decisions
+# (plain steps come by themselves while speculating: a sequence that rests, or finds nothing to
+# look up), PROBE_STEPS steps of it. The period starts at PROBE_PERIOD and doubles, up to
+# MAX_PROBE_PERIOD, each time a probe leaves the preference as it was. The preference changes
+# only when the other kind measures faster by MARGIN, so that two kinds about as fast do not
+# alternate (a draft model pays to catch up after each pause); after the warm-up, speculation
+# must be faster by MARGIN to be taken. Rates are exponential averages of seconds and tokens
+# (their ratio: tokens a second), with weight SMOOTHING for the newest step.
 WARMUP_STEPS = 4
 PROBE_PERIOD = 48
 MAX_PROBE_PERIOD = 384
@@ -129,6 +128,7 @@ class _Rate:
     seconds: float = 0.0
     tokens: float = 0.0
     samples: int = 0
+    seen: int = 0  # the decision count when it was last measured
 
     def add(self, tokens: int, seconds: float) -> None:
         weight = 1.0 / (self.samples + 1) if self.samples < 1 / SMOOTHING else SMOOTHING
@@ -148,10 +148,9 @@ class _SizeRecord:
     on: _Rate = field(default_factory=_Rate)
     off: _Rate = field(default_factory=_Rate)
     preferred: bool | None = None  # the kind taken between probes (None: in the warm-up)
-    period: int = PROBE_PERIOD  # steps of the preferred kind before the next probe
-    clock: int = 0  # decisions since the last probe ended
-    last: bool | None = None  # the kind chosen last
-    switched: bool = True  # the last choice changed the kind (its step is not measured)
+    period: int = PROBE_PERIOD  # decisions without a measure of the other kind before a probe
+    probe: int = 0  # steps of the probe under way left
+    decisions: int = 0
 
     def prefer(self) -> bool:
         """The preferred kind, after the warm-up: changed only for one faster by MARGIN."""
@@ -160,8 +159,24 @@ class _SizeRecord:
             self.preferred = on > off * (1 + MARGIN)
         elif (off if self.preferred else on) > (on if self.preferred else off) * (1 + MARGIN):
             self.preferred = not self.preferred
-            self.period, self.clock = PROBE_PERIOD, 0
+            self.period, self.probe = PROBE_PERIOD, 0
         return self.preferred
+
+    def choose(self) -> bool:
+        if self.on.samples < WARMUP_STEPS:
+            return True
+        if self.off.samples < WARMUP_STEPS:
+            return False
+        preferred = self.prefer()
+        other = self.off if preferred else self.on
+        if self.probe == 0 and self.decisions - other.seen >= self.period:
+            self.probe = PROBE_STEPS
+        if self.probe == 0:
+            return preferred
+        self.probe -= 1
+        if self.probe == 0:  # the last step of a probe: the next one comes later
+            self.period = min(2 * self.period, MAX_PROBE_PERIOD)
+        return not preferred
 
 
 class Payoff:
@@ -169,47 +184,38 @@ class Payoff:
 
     The scheduler asks `speculates(batch)` when it plans a step of decoding sequences, and the
     engine reports the step's tokens and wall time (planning, which runs a draft model, included)
-    through `observe` for the steps without prefill rows. At each batch size both kinds of step
-    are measured (WARMUP_STEPS each), then the kind with more tokens a second is taken (by a
-    MARGIN), with a short probe of the other now and then. Only wall time and tokens are
-    compared, so the rule holds for either method, any acceptance, any machine.
+    through `observe` for the steps of decoding rows only, as what they were: guessing (some
+    sequence verified guesses) or plain. The scheduler leaves out the steps in which a draft
+    model catches up, a cost of starting rather than of each step. Guessing steps and plain
+    steps are measured at each batch size, then the kind with more tokens a second is taken (by
+    a MARGIN), with a short probe of the other when it has not been seen for a while. Only wall
+    time and tokens are compared, so the rule holds for either method, any acceptance, any
+    machine.
     """
 
     def __init__(self) -> None:
         self._sizes: dict[int, _SizeRecord] = {}
 
     def speculates(self, batch: int) -> bool:
-        """Whether a step of `batch` decoding sequences speculates (a decision: call it once
+        """Whether a step of `batch` decoding sequences may speculate (a decision: call it once
         for each step planned)."""
         record = self._sizes.setdefault(batch, _SizeRecord())
-        if record.on.samples < WARMUP_STEPS:
-            choice = True
-        elif record.off.samples < WARMUP_STEPS:
-            choice = False
-        else:
-            preferred = record.prefer()
-            choice = preferred if record.clock < record.period else not preferred
-            record.clock += 1
-            if record.clock == record.period + PROBE_STEPS + 1:  # a probe ended, no change
-                record.clock = 0
-                record.period = min(2 * record.period, MAX_PROBE_PERIOD)
-        record.switched = choice != record.last
-        record.last = choice
+        choice = record.choose()
+        record.decisions += 1
         return choice
 
-    def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """A step of `batch` decoding sequences, planned with `speculated` as `speculates` chose,
-        gave `tokens` in `seconds`."""
+    def observe(self, batch: int, guessed: bool, tokens: int, seconds: float) -> None:
+        """A step of `batch` decoding sequences gave `tokens` in `seconds`; `guessed`: some
+        sequence in it verified guesses."""
         record = self._sizes.get(batch)
-        if record is None or record.last is not speculated or tokens <= 0 or seconds <= 0:
+        if record is None or tokens <= 0 or seconds <= 0:
             return
-        if record.switched:
-            record.switched = False
-            return
-        (record.on if speculated else record.off).add(tokens, seconds)
+        rate = record.on if guessed else record.off
+        rate.add(tokens, seconds)
+        rate.seen = record.decisions
 
     def rates(self, batch: int) -> tuple[float, float]:
-        """Tokens a second measured at `batch` with and without speculation (0.0: not yet)."""
+        """Tokens a second measured at `batch` with and without guesses (0.0: not yet)."""
         record = self._sizes.get(batch)
         if record is None:
             return 0.0, 0.0

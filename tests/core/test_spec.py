@@ -266,31 +266,34 @@ def test_counts_only_updates_treat_a_speculative_chunk_as_one_token():
 # -- whether speculation pays (measured) -----------------------------------------------------------
 
 
-def _run_payoff(payoff, batch, steps, seconds_on, seconds_off, tokens_on=3):
-    """`steps` decisions at `batch`, each step observed with the given costs; the choices."""
+def _run_payoff(payoff, batch, steps, seconds_on, seconds_off, tokens_on=3, rests=0):
+    """`steps` decisions at `batch`, each step observed with the given costs; the choices. With
+    `rests`, every `rests`-th step allowed to guess finds nothing to guess (a plain step)."""
     choices = []
-    for _ in range(steps):
+    for step in range(steps):
         on = payoff.speculates(batch)
         choices.append(on)
-        if on:
+        if on and not (rests and step % rests == 0):
             payoff.observe(batch, True, tokens_on, seconds_on)
         else:
             payoff.observe(batch, False, 1, seconds_off)
     return choices
 
 
+WARM = 2 * WARMUP_STEPS  # the warm-up: guessing steps, then plain ones
+
+
 def test_payoff_measures_both_kinds_then_takes_the_faster_and_probes_the_other():
     payoff = Payoff()
-    # The warm-up: speculating first (its first step pays the switch and is not measured),
-    # then plain steps (likewise): WARMUP_STEPS measured of each.
-    warm = 2 * (WARMUP_STEPS + 1)
-    probe = PROBE_STEPS + 1
     # Speculating gives 3 tokens in 0.05 s (60 a second), plain 1 in 0.02 s (50 a second).
-    choices = _run_payoff(payoff, 1, warm + 3 * PROBE_PERIOD + 2 * probe, 0.05, 0.02)
-    assert choices[:warm] == [True] * (WARMUP_STEPS + 1) + [False] * (WARMUP_STEPS + 1)
+    choices = _run_payoff(payoff, 1, WARM + 3 * PROBE_PERIOD + 2 * PROBE_STEPS, 0.05, 0.02)
+    assert choices[:WARM] == [True] * WARMUP_STEPS + [False] * WARMUP_STEPS
     # Probes that change nothing come half as often each time.
-    assert choices[warm:] == (
-        [True] * PROBE_PERIOD + [False] * probe + [True] * 2 * PROBE_PERIOD + [False] * probe
+    assert choices[WARM:] == (
+        [True] * PROBE_PERIOD
+        + [False] * PROBE_STEPS
+        + [True] * 2 * PROBE_PERIOD
+        + [False] * PROBE_STEPS
     )
     on, off = payoff.rates(1)
     assert on == pytest.approx(60.0) and off == pytest.approx(50.0)
@@ -298,55 +301,61 @@ def test_payoff_measures_both_kinds_then_takes_the_faster_and_probes_the_other()
     # Where speculation is slower (3 tokens in 0.07 s: 43 a second), plain decoding is kept,
     # with a speculating probe now and then; another batch size is measured on its own.
     slower = Payoff()
-    choices = _run_payoff(slower, 1, warm + PROBE_PERIOD + probe, 0.07, 0.02)
-    assert choices[warm:] == [False] * PROBE_PERIOD + [True] * probe
+    # (a probe comes PROBE_PERIOD decisions after the kind was last measured: the first one
+    # counts from the warm-up's guessing steps)
+    first = PROBE_PERIOD - WARMUP_STEPS
+    choices = _run_payoff(slower, 1, WARM + first + PROBE_STEPS, 0.07, 0.02)
+    assert choices[WARM:] == [False] * first + [True] * PROBE_STEPS
     assert slower.rates(2) == (0.0, 0.0)
     assert slower.speculates(2)
 
 
-def test_payoff_does_not_alternate_between_kinds_about_as_fast():
-    """Within MARGIN of each other the kinds stay as they are (each switch costs a step that is
-    not measured), and speculation must be faster by MARGIN to be taken at all."""
+def test_plain_steps_that_come_by_themselves_spare_the_probes():
+    """A step allowed to guess that has nothing to guess is a plain step, and is measured as
+    one: while they come, speculation needs no plain probe."""
     payoff = Payoff()
-    warm = 2 * (WARMUP_STEPS + 1)
+    choices = _run_payoff(payoff, 1, WARM + 3 * PROBE_PERIOD, 0.05, 0.02, rests=5)
+    assert all(choices[WARM:])
+    assert payoff.rates(1) == (pytest.approx(60.0), pytest.approx(50.0))
+
+
+def test_payoff_does_not_alternate_between_kinds_about_as_fast():
+    """Within MARGIN of each other the kinds stay as they are (a draft model pays to catch up
+    after each pause), and speculation must be faster by MARGIN to be taken at all."""
+    payoff = Payoff()
     # 3 tokens in 0.0588 s: 51 a second against plain decoding's 50.
     assert 1 + MARGIN > 51 / 50
-    choices = _run_payoff(payoff, 1, warm + 3 * PROBE_PERIOD + PROBE_STEPS + 1, 0.0588, 0.02)
-    assert choices[warm:] == (
-        [False] * PROBE_PERIOD + [True] * (PROBE_STEPS + 1) + [False] * 2 * PROBE_PERIOD
-    )
+    first = PROBE_PERIOD - WARMUP_STEPS
+    choices = _run_payoff(payoff, 1, WARM + first + PROBE_STEPS + 2 * PROBE_PERIOD, 0.0588, 0.02)
+    assert choices[WARM:] == [False] * first + [True] * PROBE_STEPS + [False] * 2 * PROBE_PERIOD
 
 
 def test_payoff_follows_a_change_of_costs_through_its_probes():
     payoff = Payoff()
-    _run_payoff(payoff, 1, 2 * (WARMUP_STEPS + 1), 0.05, 0.02)  # speculation pays
-    assert payoff.speculates(1)
-    payoff.observe(1, True, 3, 0.05)
+    _run_payoff(payoff, 1, WARM, 0.05, 0.02)  # speculation pays
     # Now the guesses fail: one token a speculating step, 0.05 s (20 a second, plain 50).
     choices = _run_payoff(payoff, 1, 200, 0.05, 0.02, tokens_on=1)
     # A few speculating steps show the change; then the probes start again from the shortest
     # period.
     first = choices.index(False)
     assert first <= 5
-    probe = PROBE_STEPS + 1
     assert choices[first:] == (
         [False] * PROBE_PERIOD
-        + [True] * probe
+        + [True] * PROBE_STEPS
         + [False] * 2 * PROBE_PERIOD
-        + [True] * probe
-        + [False] * (200 - first - 3 * PROBE_PERIOD - 2 * probe)
+        + [True] * PROBE_STEPS
+        + [False] * (200 - first - 3 * PROBE_PERIOD - 2 * PROBE_STEPS)
     )
     assert MAX_PROBE_PERIOD >= 2 * PROBE_PERIOD
 
 
-def test_payoff_ignores_steps_it_did_not_choose_and_empty_ones():
+def test_payoff_ignores_empty_steps_and_sizes_it_was_not_asked_about():
     payoff = Payoff()
     payoff.observe(1, True, 3, 0.05)  # no decision at this size yet
     assert payoff.rates(1) == (0.0, 0.0)
     assert payoff.speculates(1)
-    payoff.observe(1, True, 3, 0.05)  # the switch step: not measured
-    payoff.observe(1, False, 1, 0.02)  # not the kind chosen
     payoff.observe(1, True, 0, 0.05)  # no tokens
+    payoff.observe(1, False, 1, 0.0)  # no time
     assert payoff.rates(1) == (0.0, 0.0)
     payoff.observe(1, True, 3, 0.05)
     assert payoff.rates(1) == (pytest.approx(60.0), 0.0)
@@ -387,9 +396,9 @@ def test_the_scheduler_stops_speculating_where_its_steps_measure_slower():
 
     scheduler = scheduler_with(SpeculativeConfig(num_speculative_tokens=4))
     assert scheduler.payoff is not None
-    speculating = run(scheduler, 2 * (WARMUP_STEPS + 1) + 20)
-    assert speculating[: WARMUP_STEPS + 1] == [True] * (WARMUP_STEPS + 1)
-    assert not any(speculating[WARMUP_STEPS + 1 :])
+    speculating = run(scheduler, WARM + 20)
+    assert speculating[:WARMUP_STEPS] == [True] * WARMUP_STEPS
+    assert not any(speculating[WARMUP_STEPS:])
     on, off = scheduler.payoff.rates(1)
     assert on == pytest.approx(25.0) and off == pytest.approx(50.0)
 
