@@ -576,9 +576,10 @@ class Scheduler:
                     continue
                 wanting.append((seq, limit))
                 budget -= limit
-                if seq.num_tokens - min(seq.draft_len, seq.num_computed) > 2:
-                    # The draft catches up (a new answer's prompt, or the tokens it missed
-                    # while nobody guessed): a cost of starting, not of each step.
+                if seq.num_tokens - seq.draft_start > 2:
+                    # The draft catches up on more than the last guess and the bonus token (a
+                    # new answer's prompt, or the tokens it missed while nobody guessed): a
+                    # cost of starting, not of each step.
                     self._measured = None
                 continue
             guesses = tuple(self._propose(seq, limit))[:limit]

@@ -115,6 +115,12 @@ class Sequence:
         return self.num_prompt_tokens + self.num_output
 
     @property
+    def draft_start(self) -> int:
+        """The first position a draft model computes for this sequence's next guesses: what it
+        holds that is still valid, and at least the last token (it gives the first guess)."""
+        return min(self.draft_len, self.num_computed, self.num_tokens - 1)
+
+    @property
     def tokens_known(self) -> bool:
         """Whether every prompt and sampled token id is held (required for prefix caching)."""
         return (

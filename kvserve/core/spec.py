@@ -157,7 +157,9 @@ class _SizeRecord:
         on, off = self.on.per_second, self.off.per_second
         if self.preferred is None:
             self.preferred = on > off * (1 + MARGIN)
-        elif (off if self.preferred else on) > (on if self.preferred else off) * (1 + MARGIN):
+            return self.preferred
+        taken, other = (on, off) if self.preferred else (off, on)
+        if other > taken * (1 + MARGIN):
             self.preferred = not self.preferred
             self.period, self.probe = PROBE_PERIOD, 0
         return self.preferred

@@ -500,8 +500,7 @@ class Engine:
         asked = [(seq, limit) for seq, limit in wanting if seq.num_tokens + limit - 1 <= context]
         requests = []
         for seq, limit in asked:
-            # From what the draft still holds; at least the last token (it gives the first guess).
-            start = min(seq.draft_len, seq.num_computed, seq.num_tokens - 1)
+            start = seq.draft_start
             tail = seq.token_slice(start, seq.num_tokens)
             requests.append(DraftRequest(seq.seq_id, start, tail, self.kv.table(seq.seq_id), limit))
         try:

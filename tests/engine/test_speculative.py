@@ -188,7 +188,7 @@ def test_the_engine_measures_whether_speculation_pays(loaded_fp32):
     """By default (`disable_when_slower`) the engine reports each decoding step's wall time to
     the scheduler, which measures both kinds of step at the batch size before it picks one: one
     stream here, so some steps guess and some do not, and the answer is the plain one."""
-    config = dataclasses.replace(make_config(slots=4, blocks=64), speculative=None)
+    config = make_config(slots=4, blocks=64)
     code = loaded_fp32.tokenizer.encode(CODE)
 
     def answer(speculative):
@@ -210,7 +210,7 @@ def test_the_engine_measures_whether_speculation_pays(loaded_fp32):
         )
         return tokens, steps, payoff, observer
 
-    plain, plain_steps, none, _ = answer(None)
+    plain, _, none, _ = answer(None)
     assert none is None
     spec = SpeculativeConfig(num_speculative_tokens=4)
     assert spec.disable_when_slower
