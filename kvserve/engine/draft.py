@@ -21,7 +21,9 @@ same values; and nothing is copied in the draft cache (a sequence's first draft 
 its copied tail block itself).
 
 The guesses are the draft's argmax (a point mass), which the target's verification
-(`Sampler.verify`, the point-mass rule) keeps exact for greedy and sampled requests alike.
+(`Sampler.verify`, the point-mass rule) keeps exact for greedy and sampled requests alike. A
+draft whose head is in GGUF blocks picks them with a 4-bit copy of it (kvserve/model/head.py,
+`GuessHead`): a draft step reads less, and a rounding can only cost an accepted guess.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from kvserve.core.plan import ChunkPlan
+from kvserve.model.head import GuessHead
 from kvserve.model.kv_cache import KVCache
 
 
@@ -69,22 +72,33 @@ class DraftRequest(NamedTuple):
 class DraftProposer:
     """Guesses by the draft model; runs on the device thread (`propose`)."""
 
-    def __init__(self, model, kv_cache: KVCache, vocab_size: int, max_rows: int) -> None:
+    def __init__(
+        self,
+        model,
+        kv_cache: KVCache,
+        vocab_size: int,
+        max_rows: int,
+        guess_head: GuessHead | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.vocab_size = vocab_size  # guesses stay below it (the target's token ids)
         self.max_rows = max(1, max_rows)  # rows per catch-up forward pass
         self.device = model.device
+        self.guess_head = guess_head  # None: the argmax of the model's logits
 
-    def _forward(self, chunks: Seq[ChunkPlan]) -> torch.Tensor:
-        """One draft forward over `chunks`; logits of each sampling chunk's last row."""
+    def _best(self, chunks: Seq[ChunkPlan]) -> list[int]:
+        """One draft forward over `chunks`: the best token of each sampling chunk's last row."""
         token_ids = [t for chunk in chunks for t in chunk.token_ids]
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device)
         meta = self.model.attention.build_metadata(chunks, self.block_size)
         with torch.inference_mode():
+            if self.guess_head is not None:
+                rows = self.model.sampled_rows(ids, meta, self.kv_cache)
+                return self.guess_head.best(rows, self.vocab_size).tolist()
             logits = self.model.forward(ids, meta, self.kv_cache)
-        return logits[:, : self.vocab_size]
+        return logits[:, : self.vocab_size].argmax(dim=-1).tolist()
 
     def propose(self, requests: Seq[DraftRequest]) -> list[tuple[int, ...]]:
         """Guesses for every request together: one catch-up pass (split at `max_rows` rows),
@@ -124,10 +138,9 @@ class DraftProposer:
                 done[index] = end
                 if not last:
                     still.append(index)
-            logits = self._forward(chunks)
+            best = self._best(chunks)
             sampling = [index for chunk, index in zip(chunks, owners, strict=True) if chunk.samples]
             if sampling:
-                best = logits.argmax(dim=-1).tolist()
                 for index, token in zip(sampling, best, strict=True):
                     guesses[index].append(int(token))
             pending = still
@@ -152,7 +165,7 @@ class DraftProposer:
                         token_ids=(guesses[index][-1],),
                     )
                 )
-            best = self._forward(chunks).argmax(dim=-1).tolist()
+            best = self._best(chunks)
             for index, token in zip(active, best, strict=True):
                 guesses[index].append(int(token))
             step += 1

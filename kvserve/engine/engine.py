@@ -78,6 +78,7 @@ from kvserve.engine.sampler import RowState, Sampler, make_generator
 from kvserve.engine.stream import Delta, Stream, TokenLogprob, Usage
 from kvserve.engine.structured import GrammarError, GrammarState, StructuredOutputManager
 from kvserve.model import device_thread
+from kvserve.model.head import GuessHead
 from kvserve.model.kv_cache import (
     KVCache,
     PoolSize,
@@ -335,6 +336,7 @@ class Engine:
         spec = config.speculative
         self.loaded = loaded or load_model(config.model, config.device)
         self.draft: LoadedModel | None = None
+        self.guess_head: GuessHead | None = None
         if spec is not None and spec.method == "draft_model":
             if self.loaded.config.kv_window is not None:
                 raise ValueError(
@@ -343,6 +345,8 @@ class Engine:
                 )
             self.draft = draft or load_model(spec.model, config.device)
             check_same_vocabulary(self.loaded.tokenizer, self.draft.tokenizer, spec.model)
+            # Its own 4-bit head where its head is in GGUF blocks (None: its logits' argmax).
+            self.guess_head = GuessHead.of(getattr(self.draft.model, "head", None))
         self.tokenizer = self.loaded.tokenizer
         if config.chat_template is not None:
             self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)
@@ -403,6 +407,7 @@ class Engine:
                 self.draft_kv_cache,
                 min(self.model_config.vocab_size, self.tokenizer.vocab_size),
                 config.scheduler.max_num_batched_tokens,
+                self.guess_head,
             )
         self.kv_seconds = time.perf_counter() - allocating
         self.pool = BlockPool(
@@ -690,6 +695,8 @@ class Engine:
         total = weights + self.pool_size.num_bytes + working
         if self.draft is not None:
             draft_weights = self.draft.model.num_bytes
+            if self.guess_head is not None:
+                draft_weights += self.guess_head.num_bytes
             total += draft_weights
             against += f" + draft weights {_mib(draft_weights)}"
             pool += " (target + draft caches)"

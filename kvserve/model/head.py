@@ -197,3 +197,68 @@ class BlockHead:
         unique, inverse = torch.unique(top, return_inverse=True)
         weights = dequantize_rows(self.qtype, self.raw, unique)[inverse]  # [rows, k, hidden]
         return soft_cap(logits.scatter_(1, top, exact_logits(weights, normed)), self.softcap)
+
+
+# A draft model's head (GuessHead): requantized to GUESS_QTYPE when the file's blocks take more
+# bytes a value, GUESS_CHUNK_ROWS vocabulary rows at a time (a float copy of the whole head
+# would be 0.5 GB for a 151,936 x 896 head).
+GUESS_QTYPE = "Q4_0"
+GUESS_CHUNK_ROWS = 8192
+
+
+class GuessHead:
+    """A draft model's head: the best token of each row, from a 4-bit copy of its lm_head.
+
+    A draft's guesses only choose what the target verifies (kvserve/engine/draft.py): a token
+    that a rounding changes costs at most an accepted guess, never a wrong one. A small draft's
+    head is a large part of each of its steps (Qwen2.5-Coder-0.5B: 151,936 x 896 in Q8_0, 145 of
+    the 484 MB a step reads), so it is requantized to Q4_0 (76 MB) once at load, and no
+    candidate is recomputed exactly (the target's head does that for its own choices)."""
+
+    def __init__(self, head: BlockHead) -> None:
+        self.norm, self.eps, self.kernels = head.norm, head.eps, head.kernels
+        self.model_product = head.head
+        self.product = self._requantized(head.head)
+
+    @classmethod
+    def of(cls, head) -> GuessHead | None:
+        """The guess head of a model's head, or None where it has none (a float or int8 head:
+        the draft samples its full logits)."""
+        return cls(head) if isinstance(head, BlockHead) else None
+
+    def _requantized(self, product):
+        """The head's product in GUESS_QTYPE, or as it is where its blocks are no larger."""
+        import numpy as np
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        from kvserve.model.block_formats import FORMATS
+        from kvserve.model.linear.blocks import BlockLinear, BlockWeight
+
+        (part,) = product.parts
+        fmt, target = FORMATS[part.qtype], FORMATS[GUESS_QTYPE]
+        hidden = part.in_features
+        smaller = target.gguf_bytes / target.values < fmt.gguf_bytes / fmt.values
+        if not smaller or hidden % target.values or part.bias is not None:
+            return product
+        panels = GUESS_CHUNK_ROWS // 16
+        raw = []
+        for first in range(0, part.packed.shape[0], panels):
+            packed = part.packed[first : first + panels]
+            rows = min(part.out_features - 16 * first, 16 * packed.shape[0])
+            values = self.kernels.blocks_unpack(fmt, packed, rows, hidden).numpy()
+            raw.append(quantize(values, GGMLQuantizationType[GUESS_QTYPE]))
+        weight = BlockWeight.from_raw(GUESS_QTYPE, np.concatenate(raw), self.kernels)
+        return BlockLinear((weight,))
+
+    @property
+    def num_bytes(self) -> int:
+        """The bytes of its own copy (0 where it reads the model's head)."""
+        return 0 if self.product is self.model_product else self.product.num_bytes
+
+    def best(self, x: torch.Tensor, vocab: int) -> torch.Tensor:
+        """The best token id below `vocab` of each residual row x ([rows, hidden] float32):
+        [rows] int64."""
+        normed = F.rms_norm(x, (x.shape[1],), self.norm, self.eps)
+        logits = self.product.apply(self.kernels.blocks_quantize(normed))
+        return logits[:, :vocab].argmax(dim=-1)

@@ -761,8 +761,12 @@ class LlamaModel:
     def forward(self, token_ids: torch.Tensor, meta, kv_cache: KVCache) -> torch.Tensor:
         """Run one step. token_ids: [rows] long; `meta` from `self.attention.build_metadata`.
         Returns float32 logits `[len(meta.logits_indices), vocab]` for the rows that sample."""
-        x = self._residual(token_ids, meta, kv_cache)
-        return self.head.logits(x[meta.logits_indices])
+        return self.head.logits(self.sampled_rows(token_ids, meta, kv_cache))
+
+    def sampled_rows(self, token_ids: torch.Tensor, meta, kv_cache: KVCache) -> torch.Tensor:
+        """The step of `forward` without the head: the residual rows that sample,
+        `[len(meta.logits_indices), hidden]` float32 (what a draft's GuessHead reads)."""
+        return self._residual(token_ids, meta, kv_cache)[meta.logits_indices]
 
     @torch.inference_mode()
     def hidden_states(self, token_ids: torch.Tensor, meta, kv_cache: KVCache) -> torch.Tensor:

@@ -96,6 +96,24 @@ def test_the_target_as_its_own_draft_is_always_right(loaded_fp32, plain):
     assert "draft weights" in memory and "target + draft caches" in memory
 
 
+def test_a_k_quant_draft_guesses_with_its_4_bit_head_and_changes_nothing(qwen05_gguf):
+    """The real 0.5B in its K-quant blocks as its own draft: its guesses come from its head
+    requantized to 4 bits (GuessHead), some differ from the target's own choice at near ties,
+    and every answer is the same as without speculation."""
+    engine = Engine(
+        dataclasses.replace(make_config(), speculative=DRAFT), qwen05_gguf, draft=qwen05_gguf
+    )
+    assert engine.drafter.guess_head is engine.guess_head
+    assert engine.guess_head.product.qtypes == ("Q4_0",)
+    alone = _run(qwen05_gguf, None)
+    answers, steps, idle, drafts, memory = _run(qwen05_gguf, DRAFT, draft=qwen05_gguf)
+    assert idle
+    _same(alone[0], answers)
+    assert drafts.drafted > 0 and drafts.accepted >= drafts.drafted // 2
+    assert steps < alone[1]
+    assert "draft weights" in memory
+
+
 def test_a_random_draft_is_rolled_back_and_changes_nothing(loaded_fp32, windowed_mistral, plain):
     answers, _, idle, drafts, _ = _run(loaded_fp32, DRAFT, draft=windowed_mistral[1])
     assert idle
