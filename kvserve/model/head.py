@@ -182,10 +182,18 @@ class BlockHead:
         self.raw = raw  # uint8 [vocab, row bytes]: the file's rows, for the exact recompute
         self.eps = eps
         self.kernels = kernels
+        self._guesses: GuessHead | None = None
 
     @property
     def num_bytes(self) -> int:
         return self.head.num_bytes
+
+    def guess_head(self) -> GuessHead:
+        """Its 4-bit copy for a draft's guesses (GuessHead), made at the first call and kept:
+        the engines sharing a loaded draft share one."""
+        if self._guesses is None:
+            self._guesses = GuessHead(self)
+        return self._guesses
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         vocab = self.head.out_features
@@ -224,7 +232,7 @@ class GuessHead:
     def of(cls, head) -> GuessHead | None:
         """The guess head of a model's head, or None where it has none (a float or int8 head:
         the draft samples its full logits)."""
-        return cls(head) if isinstance(head, BlockHead) else None
+        return head.guess_head() if isinstance(head, BlockHead) else None
 
     def _requantized(self, product):
         """The head's product in GUESS_QTYPE, or as it is where its blocks are no larger."""
@@ -259,6 +267,8 @@ class GuessHead:
     def best(self, x: torch.Tensor, vocab: int) -> torch.Tensor:
         """The best token id below `vocab` of each residual row x ([rows, hidden] float32):
         [rows] int64."""
+        if x.shape[0] == 0:  # a catch-up pass whose chunks all continue a prompt
+            return torch.empty(0, dtype=torch.long)
         normed = F.rms_norm(x, (x.shape[1],), self.norm, self.eps)
         logits = self.product.apply(self.kernels.blocks_quantize(normed))
         return logits[:, :vocab].argmax(dim=-1)

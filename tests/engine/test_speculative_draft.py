@@ -180,3 +180,11 @@ def test_any_interleaving_with_a_draft_drains_to_an_idle_engine(
 ):
     draft = loaded_fp32 if len(specs) % 2 == 0 else windowed_mistral[1]
     check_interleaving(loaded_fp32, specs, DRAFT, draft=draft)
+
+
+# The real 0.5B in its K-quant blocks as its own draft (guesses from its 4-bit head, some
+# rejected at near ties): cancels, slow consumers and rollbacks drain the pool whole.
+@pytest.mark.slow
+@interleavings(3)
+def test_any_interleaving_with_a_k_quant_draft_drains_to_an_idle_engine(qwen05_gguf, specs):
+    check_interleaving(qwen05_gguf, specs, DRAFT, draft=qwen05_gguf)

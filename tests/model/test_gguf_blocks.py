@@ -158,6 +158,7 @@ def test_a_drafts_guess_head_is_4_bit_and_picks_the_models_best_tokens(qwen05_gg
 
     model = qwen05_gguf.model
     guess = GuessHead.of(model.head)
+    assert GuessHead.of(model.head) is guess  # made once per loaded head
     assert model.head.qtype == "Q8_0" and guess.product.qtypes == ("Q4_0",)
     assert 0.5 < guess.num_bytes / model.head.num_bytes < 0.6
     ids = qwen05_gguf.tokenizer.encode(quality_text())[:256]
@@ -170,8 +171,9 @@ def test_a_drafts_guess_head_is_4_bit_and_picks_the_models_best_tokens(qwen05_gg
         logits = model.head.logits(rows)
         exact = logits.argmax(-1)
         best = guess.best(rows, model.config.vocab_size)
-        # below a smaller vocabulary (a target's), no token at or past it
+        # below a smaller vocabulary (a target's), no token at or past it; no rows, no tokens
         assert int(guess.best(rows, 1000).max()) < 1000
+        assert guess.best(rows[:0], model.config.vocab_size).shape == (0,)
     # 88.9% on the AVX512 machine (Q5_0: 94.7%, Q8_0 without the exact recompute: 98.8%), and
     # where they differ, the exact head's two best were nearly tied: a coin flip for a guess.
     differ = best != exact
