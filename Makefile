@@ -27,7 +27,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet -e '.[test,cluster]'
 	touch $(STAMP)
 
+# Byte-compiled first (only what changed): an environment with PYTHONDONTWRITEBYTECODE set
+# would otherwise compile kvserve's sources at every start (about 0.25 s of a 3.4 s cached start
+# of qwen2.5-coder:1.5b).
 serve: install
+	$(PY) -m compileall -q kvserve >/dev/null
 	$(VENV)/bin/kvserve serve $(ARGS)
 
 # The simulator's page is tested in a real browser: Debian's chromium (never a downloaded one).
