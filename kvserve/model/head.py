@@ -226,7 +226,7 @@ class GuessHead:
     def __init__(self, head: BlockHead) -> None:
         self.norm, self.eps, self.kernels = head.norm, head.eps, head.kernels
         self.model_product = head.head
-        self.product = self._requantized(head.head)
+        self.product = self._requantized(head)
 
     @classmethod
     def of(cls, head) -> GuessHead | None:
@@ -234,8 +234,9 @@ class GuessHead:
         the draft samples its full logits)."""
         return head.guess_head() if isinstance(head, BlockHead) else None
 
-    def _requantized(self, product):
-        """The head's product in GUESS_QTYPE, or as it is where its blocks are no larger."""
+    def _requantized(self, head: BlockHead):
+        """The head's product in GUESS_QTYPE, from the file's rows, or as it is where its
+        blocks are no larger."""
         import numpy as np
         from gguf import GGMLQuantizationType
         from gguf.quants import quantize
@@ -243,18 +244,16 @@ class GuessHead:
         from kvserve.model.block_formats import FORMATS
         from kvserve.model.linear.blocks import BlockLinear, BlockWeight
 
-        (part,) = product.parts
-        fmt, target = FORMATS[part.qtype], FORMATS[GUESS_QTYPE]
-        hidden = part.in_features
+        (part,) = head.head.parts
+        fmt, target = FORMATS[head.qtype], FORMATS[GUESS_QTYPE]
+        vocab, hidden = part.out_features, part.in_features
         smaller = target.gguf_bytes / target.values < fmt.gguf_bytes / fmt.values
         if not smaller or hidden % target.values or part.bias is not None:
-            return product
-        panels = GUESS_CHUNK_ROWS // 16
+            return head.head
         raw = []
-        for first in range(0, part.packed.shape[0], panels):
-            packed = part.packed[first : first + panels]
-            rows = min(part.out_features - 16 * first, 16 * packed.shape[0])
-            values = self.kernels.blocks_unpack(fmt, packed, rows, hidden).numpy()
+        for first in range(0, vocab, GUESS_CHUNK_ROWS):
+            rows = torch.arange(first, min(first + GUESS_CHUNK_ROWS, vocab))
+            values = dequantize_rows(head.qtype, head.raw, rows).numpy()
             raw.append(quantize(values, GGMLQuantizationType[GUESS_QTYPE]))
         weight = BlockWeight.from_raw(GUESS_QTYPE, np.concatenate(raw), self.kernels)
         return BlockLinear((weight,))
