@@ -25,7 +25,6 @@ import codecs
 import copy
 import json
 import re
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -825,12 +824,6 @@ class Tokenizer:
         serialized = backend.to_str()
         data = json.loads(serialized)
         self._decoding = _DecoderShape.of(data.get("decoder"))
-        # A second backend, identical but for matching special tokens in its input, encodes raw
-        # prompts (`parse_special=True`); the flag is per backend, and instances are shared
-        # between threads, so it is never toggled. Parsing it costs about 0.4 s on a 150k
-        # vocabulary, so it is built from the first backend when a raw prompt first needs it.
-        self._parsing_backend_built: Backend | None = None
-        self._parsing_lock = threading.Lock()
         backend.encode_special_tokens = True
         self._backend = backend
         # Plain text: special tokens in the input are never matched, nor made by the model.
@@ -839,7 +832,6 @@ class Tokenizer:
         # Text after a control token, where a Metaspace "first" scheme writes no dummy space.
         inner = _without_first_prepend(plain_data or data)
         self._plain_inner = self._plain if inner is None else _PlainText(data, inner)
-        self._unigram = (data.get("model") or {}).get("type") == "Unigram"
 
         self._bos_token_id = bos_token_id
         self._eos_token_id = eos_token_id
@@ -885,18 +877,6 @@ class Tokenizer:
         self._token_bytes_skipping = list(self._token_bytes)
         for token_id in self._skipped_ids:
             self._token_bytes_skipping[token_id] = b""
-
-    def _parsing_backend(self) -> Backend:
-        """The backend that matches special tokens in its input, built on first use."""
-        built = self._parsing_backend_built
-        if built is None:
-            with self._parsing_lock:
-                built = self._parsing_backend_built
-                if built is None:
-                    built = Backend.from_str(self._backend.to_str())
-                    built.encode_special_tokens = False
-                    self._parsing_backend_built = built
-        return built
 
     def with_chat_template(self, chat_template: str | None) -> Tokenizer:
         """The same vocabulary with another chat template (None: no template); raises
@@ -1110,11 +1090,12 @@ class Tokenizer:
         """
         if not parse_special:
             ids = self._encode_text(text, at_start=True)
-        elif self._unigram:
-            # The unigram backend would match byte pieces inside the text: split it here.
-            ids = self._encode_parts(text)
         else:
-            ids = self._parsing_backend().encode(text, add_special_tokens=False).ids
+            # Split here rather than by a second backend that matches special tokens: the
+            # unigram backend would match byte pieces inside the text, and building that
+            # backend from its JSON costs about 0.8 s on a 150k vocabulary (a server's first
+            # raw prompt waited for it).
+            ids = self._encode_parts(text)
         if add_bos:
             if self._bos_token_id is None:
                 raise ValueError("this vocabulary has no BOS token")
