@@ -167,6 +167,48 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     return f"{raw.size}:{total:016x}:{bytes(raw[whole:]).hex()}"
 
 
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def write_safetensors(
+    path: Path | str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> None:
+    """`tensors` (contiguous, on the CPU) as a safetensors file: the 8-byte length of a JSON
+    header padded to 8 bytes, then each tensor's bytes in the header's order. Each tensor's
+    memory is written as it is; `safetensors.torch.save_file` first copies every tensor into
+    one buffer, which cost 2.5 s of a 4.6 s first start of a 1.5B model here (1 GB of
+    prepared blocks), against about 0.5 s this way."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as file:
+        file.write(len(text).to_bytes(8, "little"))
+        file.write(text)
+        for tensor in tensors.values():
+            if tensor.numel():
+                file.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+
+
 class WeightCache:
     """One directory of prepared-weight files, named by their key."""
 
@@ -218,8 +260,6 @@ class WeightCache:
         """Write the file atomically (temporary name, then rename). Returns its path, or None
         when it could not be written (full disk, read-only directory): that only costs the
         next start its preparation, so it is logged, never raised."""
-        from safetensors.torch import save_file
-
         path = self.path_for(key)
         tmp = None
         try:
@@ -234,7 +274,7 @@ class WeightCache:
             }
             handle, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.")
             os.close(handle)
-            save_file(tensors, tmp, metadata)
+            write_safetensors(tmp, tensors, metadata)
             os.replace(tmp, path)  # atomic: readers see the old name absent or the whole file
             tmp = None
             return path

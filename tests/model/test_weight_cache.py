@@ -242,3 +242,29 @@ def test_biases_qk_norms_and_an_untied_head_round_trip(tmp_path, arch, overrides
         return m.forward(torch.tensor(ids), meta, kv)
 
     assert torch.equal(logits(restored), logits(model))
+
+
+def test_the_writer_gives_files_safetensors_reads_back_exactly(tmp_path):
+    from safetensors import safe_open
+
+    from kvserve.model.weight_cache import write_safetensors
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "panels": torch.randint(-128, 128, (7, 33), dtype=torch.int8, generator=generator),
+        "scales": torch.randn(5, 3, generator=generator).to(torch.bfloat16),
+        "norm": torch.randn(11, generator=generator),
+        "table": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "flags": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5, dtype=torch.float16),
+        "empty": torch.zeros(0, 4),
+    }
+    path = tmp_path / "prepared.safetensors"
+    write_safetensors(path, tensors, {"format": "test", "numbers": "{}"})
+    with safe_open(str(path), framework="pt") as file:
+        assert file.metadata() == {"format": "test", "numbers": "{}"}
+        assert set(file.keys()) == set(tensors)
+        for name, tensor in tensors.items():
+            read = file.get_tensor(name)
+            assert read.dtype == tensor.dtype and read.shape == tensor.shape, name
+            assert torch.equal(read, tensor), name
