@@ -146,6 +146,16 @@ def qwen05_gguf(qwen05_path):
 
 
 @pytest.fixture(scope="session")
+def qwen05_draft(qwen05_path):
+    """qwen2.5-coder:0.5b as the engine loads it for a draft: its blocks kept, the layer
+    weights in larger blocks than Q4_0 (Q5_0, Q6_K, Q8_0) requantized to Q4_0."""
+    from kvserve.config import DeviceConfig
+    from kvserve.model.loader import load_model
+
+    return load_model(str(qwen05_path), DeviceConfig(device="cpu", requantize="Q4_0"))
+
+
+@pytest.fixture(scope="session")
 def qwen05_int8(qwen05_path):
     """qwen2.5-coder:0.5b with int8 linear layers (`--quantization int8`: its blocks
     dequantized and re-quantized per row)."""

@@ -343,7 +343,9 @@ class Engine:
                     "speculative decoding by a draft model needs a target without a sliding "
                     "window on every layer (its blocks behind the window are given back)"
                 )
-            self.draft = draft or load_model(spec.model, config.device)
+            self.draft = draft or load_model(
+                spec.model, replace(config.device, requantize=spec.draft_requantize)
+            )
             check_same_vocabulary(self.loaded.tokenizer, self.draft.tokenizer, spec.model)
             # Its own 4-bit head where its head is in GGUF blocks (None: its logits' argmax).
             self.guess_head = GuessHead.of(getattr(self.draft.model, "head", None))

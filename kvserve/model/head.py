@@ -209,7 +209,7 @@ class BlockHead:
 
 # A draft model's head (GuessHead): requantized to GUESS_QTYPE when the file's blocks take more
 # bytes a value, GUESS_CHUNK_ROWS vocabulary rows at a time (a float copy of the whole head
-# would be 0.5 GB for a 151,936 x 896 head).
+# would be 0.5 GB for a 151,936 x 896 head), by the kernels' Q4_0 quantizer (ggml's rounding).
 GUESS_QTYPE = "Q4_0"
 GUESS_CHUNK_ROWS = 8192
 
@@ -238,8 +238,6 @@ class GuessHead:
         """The head's product in GUESS_QTYPE, from the file's rows, or as it is where its
         blocks are no larger."""
         import numpy as np
-        from gguf import GGMLQuantizationType
-        from gguf.quants import quantize
 
         from kvserve.model.block_formats import FORMATS
         from kvserve.model.linear.blocks import BlockLinear, BlockWeight
@@ -253,8 +251,9 @@ class GuessHead:
         raw = []
         for first in range(0, vocab, GUESS_CHUNK_ROWS):
             rows = torch.arange(first, min(first + GUESS_CHUNK_ROWS, vocab))
-            values = dequantize_rows(head.qtype, head.raw, rows).numpy()
-            raw.append(quantize(values, GGMLQuantizationType[GUESS_QTYPE]))
+            raw.append(
+                self.kernels.blocks_quantize_q4_0(dequantize_rows(head.qtype, head.raw, rows))
+            )
         weight = BlockWeight.from_raw(GUESS_QTYPE, np.concatenate(raw), self.kernels)
         return BlockLinear((weight,))
 

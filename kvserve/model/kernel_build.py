@@ -276,6 +276,11 @@ FAMILIES: tuple[Family, ...] = (
                 "i32",
                 "format:i64 packed:p n:i64 k:i64 out:p num_threads:i32",
             ),
+            _S(
+                "kvserve_blocks_quantize_q4_0",
+                "i32",
+                "x:p rows:i64 k:i64 raw:p num_threads:i32",
+            ),
             _S("kvserve_blocks_quantize_f32", None, _BLOCKS_QUANTIZE),
             _S("kvserve_blocks_quantize_bf16", None, _BLOCKS_QUANTIZE),
             _S(

@@ -978,6 +978,19 @@ class CpuKernels:
         _require(status == 0, f"the unpacking kernel refused a {fmt.name} weight [{n}, {k}]")
         return out
 
+    def blocks_quantize_q4_0(self, x: torch.Tensor) -> np.ndarray:
+        """float32 rows [n, k] (k a multiple of 32) as GGUF Q4_0 rows: uint8 [n, k / 32 * 18],
+        rounded as ggml's reference quantizer (and gguf-py's `quantize`) rounds them."""
+        check_tensor(x, "x", 2, (torch.float32,))
+        n, k = x.shape
+        _require(k > 0 and k % 32 == 0, f"Q4_0 rows of {k} values are not whole blocks of 32")
+        raw = np.empty((n, k // 32 * 18), dtype=np.uint8)
+        status = self._call("kvserve_blocks_quantize_q4_0")(
+            x.data_ptr(), n, k, raw.ctypes.data, _threads()
+        )
+        _require(status == 0, f"the Q4_0 quantizer refused rows [{n}, {k}]")
+        return raw
+
     def blocks_quantize(self, x: torch.Tensor, fine: bool = False) -> ActivationBlocks:
         """Activation blocks of x: [rows, k] float32 or bfloat16 (rows may be strided, each row
         contiguous), k a multiple of 32; 8 bits a value, or 12 with `fine`."""

@@ -455,11 +455,14 @@ class LlamaModel:
         kernels: CpuKernels,
         fine: bool | None = None,
         progress: Callable[[int], None] | None = None,
+        requantize: str | None = None,
     ) -> LlamaModel:
         """A model whose products keep a GGUF file's blocks, each tensor in its own format
         (kvserve/model/linear/blocks.py): the layers, and the lm_head (or the tied embedding)
         packed for the block product; the embedding table left in the mapped file. `fine`:
-        12-bit activation blocks (default: below FINE_ACTIVATIONS_BELOW hidden)."""
+        12-bit activation blocks (default: below FINE_ACTIVATIONS_BELOW hidden). `requantize`
+        ("Q4_0"): the layer weights whose blocks take more bytes a value are requantized to it
+        (`BlockWeight.requantized`; a draft model's layers)."""
         if not kernels.blocks_isa or not kernels.supports(
             torch.device("cpu"), dtype, config.num_heads, config.num_kv_heads, config.head_dim
         ):
@@ -492,6 +495,8 @@ class LlamaModel:
                 products[name] = fused_from_checkpoint(
                     checkpoint, [p + n + ".weight" for n in parts], kernels, biases, activations
                 )
+                if requantize is not None:
+                    products[name] = products[name].requantized(requantize)
             layers.append(
                 DecoderLayer(
                     **products,

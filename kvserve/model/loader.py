@@ -227,6 +227,7 @@ class LoadedModel:
     read_seconds: float = 0.0
     weights_seconds: float = 0.0
     file_bytes: int = 0  # the checkpoint's size on disk
+    requantized: str | None = None  # the type its larger layer blocks were requantized to
 
     def describe_load(self) -> str:
         """The load's time split, e.g. "kernels 0.0 s, read 0.2 s, weights 1.1 s (mapped from
@@ -267,7 +268,8 @@ class LoadedModel:
             f"{cfg.num_layers} layers, {str(self.dtype).removeprefix('torch.')}"
             f"{'' if self.model.quantization == 'none' else ' + ' + self.model.quantization} "
             f"on {self.device}, "
-            f"weights {self.model.num_bytes / 2**20:.0f} MiB (from {'/'.join(self.quantization)}), "
+            f"weights {self.model.num_bytes / 2**20:.0f} MiB (from {'/'.join(self.quantization)}"
+            f"{'' if self.requantized is None else f'; layers requantized to {self.requantized}'}), "
             f"context {cfg.max_position_embeddings}{windows}, in {self.load_seconds:.1f} s"
             f"{'' if self.weight_cache == 'off' else f' (prepared weights: {self.weight_cache})'}"
         )
@@ -345,7 +347,12 @@ def _load_model(
         ) as bar:
             if quantization == "gguf":
                 return LlamaModel.from_gguf(
-                    config, checkpoint, dtype=dtype, kernels=kernels, progress=bar.update
+                    config,
+                    checkpoint,
+                    dtype=dtype,
+                    kernels=kernels,
+                    progress=bar.update,
+                    requantize=device_config.requantize,
                 )
             if quantization == "q4":
                 return LlamaModel.from_q4(
@@ -372,8 +379,12 @@ def _load_model(
 
         cache = WeightCache(device_config.weight_cache_dir)
     read_done = time.perf_counter()
+    # Requantized layers are another preparation of the same file: their own cache entry.
+    prepared_as = quantization
+    if quantization == "gguf" and device_config.requantize is not None:
+        prepared_as = f"gguf>{device_config.requantize}"
     llama, cache_status = _prepared_model(
-        cache, path, config, quantization, dtype, device, prepare, kernels, checkpoint
+        cache, path, config, prepared_as, dtype, device, prepare, kernels, checkpoint
     )
     weights_done = time.perf_counter()
     loaded = LoadedModel(
@@ -393,6 +404,7 @@ def _load_model(
         read_seconds=read_done - kernels_done,
         weights_seconds=weights_done - read_done,
         file_bytes=_checkpoint_bytes(path),
+        requantized=device_config.requantize if quantization == "gguf" else None,
     )
     log.info(loaded.summary())
     return loaded

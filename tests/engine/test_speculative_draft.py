@@ -150,7 +150,13 @@ def test_the_config_parses_from_the_cli():
     spec = parse_speculative_config(text)
     assert spec.method == "draft_model" and spec.model == "qwen2.5-coder:0.5b"
     assert spec.num_speculative_tokens == 4
-    assert "draft model qwen2.5-coder:0.5b, 4 tokens" in spec.describe()
+    assert spec.draft_requantize == "Q4_0"
+    assert "draft model qwen2.5-coder:0.5b (layers as Q4_0), 4 tokens" in spec.describe()
+    as_file = parse_speculative_config(text[:-1] + ', "draft_requantize": null}')
+    assert as_file.draft_requantize is None
+    assert "draft model qwen2.5-coder:0.5b, 4 tokens" in as_file.describe()
+    with pytest.raises(ValueError, match="draft_requantize must be Q4_0 or null"):
+        parse_speculative_config(text[:-1] + ', "draft_requantize": "Q2_K"}')
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     args = parser.parse_args(["--speculative-config", text])
@@ -172,6 +178,33 @@ def test_llm_loads_a_draft_by_its_path_and_answers_the_same(loaded_fp32, model_p
     assert list(got) == list(expected)
 
 
+def test_a_k_quant_draft_is_loaded_with_q4_0_layers_and_answers_the_same(qwen05_gguf, qwen05_path):
+    """The engine loads a draft in GGUF blocks with its larger layer blocks requantized to Q4_0
+    (SpeculativeConfig.draft_requantize); the real 0.5B's guesses for itself are then mostly
+    accepted, and the answer is the target's own."""
+    from kvserve.engine.llm import LLM
+    from kvserve.params import SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+    with LLM(config=make_config(), loaded=qwen05_gguf) as llm:
+        expected = llm.generate([prompt], params)[0].outputs[0].token_ids
+    spec = {"model": str(qwen05_path), "num_speculative_tokens": 3, "disable_when_slower": False}
+    observer = Drafts()
+    with LLM(config=make_config(), loaded=qwen05_gguf, speculative_config=spec) as llm:
+        draft = llm.engine.draft
+        assert draft is not qwen05_gguf and draft.requantized == "Q4_0"
+        layers = draft.model.layers
+        assert {q for layer in layers for q in (*layer.qkv.qtypes, *layer.down.qtypes)} == {
+            "Q4_0",
+            "Q4_K",  # the file's own Q4_K stays (as many bytes a value)
+        }
+        llm.engine.observer.observers = (*llm.engine.observer.observers, observer)
+        got = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert list(got) == list(expected)
+    assert observer.drafted > 0 and observer.accepted >= observer.drafted // 2
+
+
 # The word prompts through a small pool, with cancels, slow consumers, n > 1, grammars and the
 # prefix cache: drafts by the target itself (even examples) or by a random draft (odd ones).
 @interleavings(6)
@@ -182,9 +215,12 @@ def test_any_interleaving_with_a_draft_drains_to_an_idle_engine(
     check_interleaving(loaded_fp32, specs, DRAFT, draft=draft)
 
 
-# The real 0.5B in its K-quant blocks as its own draft (guesses from its 4-bit head, some
-# rejected at near ties): cancels, slow consumers and rollbacks drain the pool whole.
+# The real 0.5B in its K-quant blocks with its own draft as the engine loads it (layers
+# requantized to Q4_0, guesses from its 4-bit head, some rejected): cancels, slow consumers
+# and rollbacks drain the pool whole.
 @pytest.mark.slow
 @interleavings(3)
-def test_any_interleaving_with_a_k_quant_draft_drains_to_an_idle_engine(qwen05_gguf, specs):
-    check_interleaving(qwen05_gguf, specs, DRAFT, draft=qwen05_gguf)
+def test_any_interleaving_with_a_k_quant_draft_drains_to_an_idle_engine(
+    qwen05_gguf, qwen05_draft, specs
+):
+    check_interleaving(qwen05_gguf, specs, DRAFT, draft=qwen05_draft)

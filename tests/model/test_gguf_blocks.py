@@ -184,3 +184,73 @@ def test_a_drafts_guess_head_is_4_bit_and_picks_the_models_best_tokens(qwen05_gg
     head = BlockHead(guess.product, model.head.norm, "Q4_0", None, model.head.eps, model.kernels)
     again = GuessHead.of(head)
     assert again.product is guess.product and again.num_bytes == 0
+
+
+def test_q4_0_rows_round_as_ggml_rounds_them(kernels):
+    """The requantizer's Q4_0 blocks are gguf-py's (ggml's reference rounding), byte for byte,
+    on ordinary rows and on the blocks where rounding is decided: zeros, a negative extreme,
+    values at half steps, tiny and huge scales."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+    x[0] = 0.0
+    x[1, :32] = -3.0
+    x[2, :32] = np.linspace(-8, 7, 32, dtype=np.float32) / 8  # halves of a step
+    x[3] *= np.float32(1e-7)  # a scale below float16's normal range
+    x[4] *= np.float32(6e4)  # one at its top
+    x[5, 7] = 1.0e5  # a scale past float16's range
+    ours = kernels.blocks_quantize_q4_0(torch.from_numpy(x))
+    assert ours.dtype == np.uint8 and ours.shape == (64, 256 // 32 * 18)
+    assert np.array_equal(ours, quantize(x, GGMLQuantizationType.Q4_0))
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        kernels.blocks_quantize_q4_0(torch.zeros(2, 48))
+    with pytest.raises(ValueError):
+        kernels.blocks_quantize_q4_0(torch.zeros(2, 64, dtype=torch.bfloat16))
+
+
+def test_a_drafts_layers_are_requantized_to_q4_0_and_guess_as_the_file_does(
+    qwen05_gguf, qwen05_draft, qwen05_path
+):
+    """`DeviceConfig.requantize` (a draft's layers, SpeculativeConfig.draft_requantize): every
+    layer weight in larger blocks than Q4_0 is Q4_0, each the file's values rounded again as
+    ggml rounds them; the file's Q4_K stays; the layers take about a fifth fewer bytes; and the
+    model's greedy next tokens on real text are mostly the file's."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from kvserve.model.head import GuessHead
+
+    file_model, model = qwen05_gguf.model, qwen05_draft.model
+    types = {q for layer in model.layers for p in _products(layer) for q in p.qtypes}
+    assert types == {"Q4_0", "Q4_K"}
+    assert "layers requantized to Q4_0" in qwen05_draft.summary()
+    assert 0.75 < model.layer_bytes / file_model.layer_bytes < 0.85
+    checkpoint = GGUFCheckpoint(qwen05_path)
+    down = checkpoint.tensor_type("model.layers.3.mlp.down_proj.weight")
+    rows = np.asarray(checkpoint.raw_rows("model.layers.3.mlp.down_proj.weight"))
+    values = dequantize(rows, GGMLQuantizationType[down])
+    again = dequantize(quantize(values, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
+    (part,) = model.layers[3].down.parts
+    assert down == "Q6_K" and part.qtype == "Q4_0"
+    assert torch.equal(part.dequantize(), torch.from_numpy(np.ascontiguousarray(again)))
+    # Greedy next tokens over real text: the requantized draft's best against the file's.
+    ids = qwen05_gguf.tokenizer.encode(quality_text())[:256]
+    best = {}
+    for name, loaded in (("file", qwen05_gguf), ("draft", qwen05_draft)):
+        m = loaded.model
+        cache = KVCache(m.config, 8, 32, m.dtype, CPU)
+        meta = m.attention.build_metadata([Chunk(0, len(ids), tuple(range(8)), True)], 32)
+        meta.logits_indices = torch.arange(len(ids))
+        with torch.inference_mode():
+            rows_out = m.sampled_rows(torch.tensor(ids), meta, cache)
+            best[name] = GuessHead.of(m.head).best(rows_out, m.config.vocab_size)
+    agreement = float((best["file"] == best["draft"]).double().mean())
+    assert agreement >= 0.8, agreement
+
+
+def _products(layer):
+    return (layer.qkv, layer.o, layer.gate_up, layer.down)

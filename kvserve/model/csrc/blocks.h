@@ -58,6 +58,11 @@ int kvserve_blocks_pack(int64_t format, const uint8_t *raw, int64_t n, int64_t k
 int kvserve_blocks_unpack(int64_t format, const uint8_t *packed, int64_t n, int64_t k, float *out,
                           int num_threads);
 
+/* Rows x [rows][k] float32 (k a multiple of 32) as GGUF Q4_0 rows raw [rows][k / 32 * 18], with
+ * ggml's reference rounding; 0, or -1 for a k that is not whole blocks. */
+int kvserve_blocks_quantize_q4_0(const float *x, int64_t rows, int64_t k, uint8_t *raw,
+                                 int num_threads);
+
 /* Rows x [rows][k] (row stride row_stride elements, k a multiple of 32) as activation blocks:
  * q [rows][k] int8 in -127..127, scales [rows][k / 32], sums [rows][k / 16] (the sums of the
  * integer values over each 16). Value j of a block is q[j] * scale, or, when rest is not NULL

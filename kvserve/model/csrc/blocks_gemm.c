@@ -452,6 +452,67 @@ int kvserve_blocks_unpack(int64_t format, const uint8_t *packed, int64_t n, int6
     return 0;
 }
 
+/* ---- requantizing to Q4_0 ------------------------------------------------------------------- */
+
+/* float to IEEE half bits, round to nearest even (ggml's portable conversion; F16C's where the
+ * build has it): the same bits as numpy's float16. */
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+static inline uint16_t float_to_half(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, 0);
+#else
+    const float to_inf = 0x1.0p+112f, to_zero = 0x1.0p-110f;
+    float base = (fabsf(f) * to_inf) * to_zero;
+    uint32_t w, bias_bits, bits;
+    memcpy(&w, &f, sizeof w);
+    const uint32_t shl1 = w + w, sign = w & 0x80000000u;
+    bias_bits = shl1 & 0xFF000000u;
+    if (bias_bits < 0x71000000u) bias_bits = 0x71000000u;
+    bias_bits = (bias_bits >> 1) + 0x07800000u;
+    float bias;
+    memcpy(&bias, &bias_bits, sizeof bias);
+    base = bias + base;
+    memcpy(&bits, &base, sizeof bits);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u : nonsign));
+#endif
+}
+
+/*
+ * Rows x [rows][k] (k a multiple of 32) as GGUF Q4_0 rows raw [rows][k / 32 * 18], with ggml's
+ * reference rounding (quantize_row_q4_0_ref, as gguf-py's quantize): per block, d = v / -8 for
+ * the value v of the largest magnitude, u = min(15, trunc(x / d + 8.5)), d stored as float16.
+ */
+int kvserve_blocks_quantize_q4_0(const float *x, int64_t rows, int64_t k, uint8_t *raw,
+                                 int num_threads) {
+    if (rows < 0 || k <= 0 || k % 32) return -1;
+    const int64_t blocks = k / 32;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (rows * k >= (1 << 20))")
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *v = x + r * k + 32 * b;
+            uint8_t *out = raw + (r * blocks + b) * 18;
+            float top = 0.f, value = 0.f;
+            for (int j = 0; j < 32; j++)
+                if (fabsf(v[j]) > top) {
+                    top = fabsf(v[j]);
+                    value = v[j];
+                }
+            const float d = value / -8.f, inverse = d != 0.f ? 1.f / d : 0.f;
+            store16(out, float_to_half(d));
+            for (int j = 0; j < 16; j++) {
+                const float low = truncf(v[j] * inverse + 8.5f);
+                const float high = truncf(v[j + 16] * inverse + 8.5f);
+                const int lo = low < 15.f ? (int)low : 15, hi = high < 15.f ? (int)high : 15;
+                out[2 + j] = (uint8_t)((lo < 0 ? 0 : lo) | (hi < 0 ? 0 : hi) << 4);
+            }
+        }
+    }
+    return 0;
+}
+
 /* ---- activations ---------------------------------------------------------------------------- */
 
 /*

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvserve.config import REQUANTIZE_TYPES
 from kvserve.model.block_formats import (
     FORMATS,
     K_QUANTS,
@@ -60,6 +61,7 @@ from kvserve.model.linear.float import add_post_norm
 __all__ = [
     "FORMATS",
     "K_QUANTS",
+    "REQUANTIZE_TYPES",
     "SUPPORTED",
     "ActivationBlocks",
     "BlockActivations",
@@ -213,6 +215,24 @@ class BlockWeight:
         `fine`), then `apply_blocks`."""
         return self.apply_blocks(self.kernels.blocks_quantize(x, fine))
 
+    def requantized(self, qtype: str) -> BlockWeight:
+        """This weight in `qtype` (REQUANTIZE_TYPES) where its blocks take more bytes a value
+        and its inputs are whole blocks of it, else itself: the file's values (as ggml
+        dequantizes them) rounded again by ggml's reference quantizer. For a draft model, whose
+        rounding only changes which guesses are accepted (kvserve/engine/draft.py)."""
+        if qtype not in REQUANTIZE_TYPES:
+            raise ValueError(
+                f"requantizing to {qtype!r} is not supported (use {' or '.join(REQUANTIZE_TYPES)})"
+            )
+        fmt, target = self.format, block_format(qtype)
+        if (
+            target.gguf_bytes * fmt.values >= fmt.gguf_bytes * target.values
+            or self.in_features % target.values
+        ):
+            return self
+        raw = self.kernels.blocks_quantize_q4_0(self.dequantize())
+        return BlockWeight.from_raw(qtype, raw, self.kernels, self.bias)
+
     def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """The tensors this weight is made of, named `prefix.field` (for the weight cache):
         `packed`, `shape` (int64 [GGML type, out, in]) and, where present, `bias`."""
@@ -295,6 +315,13 @@ class BlockLinear:
 
     def dense(self, y: torch.Tensor) -> torch.Tensor:
         return y
+
+    def requantized(self, qtype: str) -> BlockLinear:
+        """The same product with each part `BlockWeight.requantized`."""
+        parts = tuple(p.requantized(qtype) for p in self.parts)
+        if all(new is old for new, old in zip(parts, self.parts, strict=True)):
+            return self
+        return BlockLinear(parts, self.kernels, self.input)
 
     def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """`prefix.parts` (int64 [count]) and each part's tensors under `prefix.<index>`."""
