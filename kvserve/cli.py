@@ -236,7 +236,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, positional_model: b
         default=e("--speculative-config", None),
         help='JSON, as vLLM: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4} guesses tokens by prompt lookup and '
-        'verifies them inside the step; "disable_by_batch_size" (default 8): above this many '
+        'verifies them inside the step; {"model": NAME, "num_speculative_tokens": 4} guesses '
+        'with a draft model of the same vocabulary ("draft_requantize", default "Q4_0": its '
+        "larger layer blocks requantized at load; null keeps the file's); "
+        '"disable_by_batch_size" (default 8): above this many '
         'decoding sequences nobody speculates; "disable_when_slower" (default true): below it, '
         "steps speculate only while measured faster than plain decoding (default: off)",
     )
