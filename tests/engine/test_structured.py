@@ -145,11 +145,24 @@ def test_a_request_waiting_for_its_grammar_holds_no_slot(loaded_default, monkeyp
     assert idle
 
 
-def test_a_cached_bad_grammar_is_refused_at_submit(loaded_default):
+def test_a_cached_bad_grammar_is_refused_at_submit(loaded_default, monkeypatch):
+    gate = threading.Event()
+
     async def body(engine):
+        original = engine.structured._compile
+
+        def held_compile(constraint):
+            # Still compiling when the first submit looks (a bad regex fails in microseconds,
+            # and a compilation already done at submit is refused there).
+            gate.wait(60)
+            return original(constraint)
+
+        monkeypatch.setattr(engine.structured, "_compile", held_compile)
         prompt = loaded_default.tokenizer.encode("Hi")
         bad = StructuredOutput.regex("(unclosed", param="structured_outputs.regex")
-        first = await collect(engine.submit(request(prompt, structured=bad)))
+        stream = engine.submit(request(prompt, structured=bad))
+        gate.set()
+        first = await collect(stream)
         with pytest.raises(InvalidRequest) as caught:
             engine.submit(request(prompt, structured=bad))
         return first, caught.value, engine.is_idle()
