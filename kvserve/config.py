@@ -35,6 +35,13 @@ QUANTIZATIONS = ("auto", "none", "int8", "gguf", "q4")
 # What a GGUF model's layer weights may be requantized to at load (DeviceConfig.requantize).
 REQUANTIZE_TYPES = ("Q4_0",)
 KV_CACHE_DTYPES = ("auto", "model", "int8")
+
+
+def _check_requantize(name: str, value: str | None) -> None:
+    if value not in (None, *REQUANTIZE_TYPES):
+        raise ValueError(f"{name} must be {' or '.join(REQUANTIZE_TYPES)} or null, got {value!r}")
+
+
 # Positions per KV block the command line accepts (vLLM's set above 1); each is tested.
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 
@@ -66,11 +73,7 @@ class DeviceConfig:
             raise ValueError(
                 f"unknown quantization {self.quantization!r} (use {' or '.join(QUANTIZATIONS)})"
             )
-        if self.requantize not in (None, *REQUANTIZE_TYPES):
-            raise ValueError(
-                f"requantizing to {self.requantize!r} is not supported (use "
-                f"{' or '.join(REQUANTIZE_TYPES)}, or none)"
-            )
+        _check_requantize("requantize", self.requantize)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,11 +248,7 @@ class SpeculativeConfig:
                 f"prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
             )
-        if self.draft_requantize not in (None, *REQUANTIZE_TYPES):
-            raise ValueError(
-                f"draft_requantize must be {' or '.join(REQUANTIZE_TYPES)} or null, got "
-                f"{self.draft_requantize!r}"
-            )
+        _check_requantize("draft_requantize", self.draft_requantize)
         if self.method == "draft_model" and not self.model:
             raise ValueError('the "draft_model" method needs a "model"')
         if self.method == "ngram" and self.model:

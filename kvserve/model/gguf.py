@@ -109,17 +109,11 @@ class _Cursor:
         return value
 
     def string(self) -> str:
-        length = self.take("Q")
-        end = self.pos + length
-        if end > len(self.buffer):
-            raise GGUFFormatError("string runs past the end of the file")
-        text = bytes(self.buffer[self.pos : end]).decode("utf-8")
-        self.pos = end
-        return text
+        return self.strings(1)[0]
 
     def strings(self, count: int) -> list[str]:
         """`count` strings in a row (a vocabulary: 150k tokens and as many merges), read in
-        one loop of local names: 0.34 s for a 150k vocabulary's header through `string`,
+        one loop of local names: 0.34 s for a 150k vocabulary's header one string at a time,
         0.14 s this way."""
         buffer, pos, size = self.buffer, self.pos, len(self.buffer)
         length_at = _U64.unpack_from

@@ -208,8 +208,8 @@ class BlockHead:
 
 
 # A draft model's head (GuessHead): requantized to GUESS_QTYPE when the file's blocks take more
-# bytes a value, GUESS_CHUNK_ROWS vocabulary rows at a time (a float copy of the whole head
-# would be 0.5 GB for a 151,936 x 896 head), by the kernels' Q4_0 quantizer (ggml's rounding).
+# bytes a value (BlockWeight.requantized), GUESS_CHUNK_ROWS vocabulary rows at a time (a float
+# copy of the whole head would be 0.5 GB for a 151,936 x 896 head).
 GUESS_QTYPE = "Q4_0"
 GUESS_CHUNK_ROWS = 8192
 
@@ -237,25 +237,15 @@ class GuessHead:
     def _requantized(self, head: BlockHead):
         """The head's product in GUESS_QTYPE, from the file's rows, or as it is where its
         blocks are no larger."""
-        import numpy as np
-
-        from kvserve.model.block_formats import FORMATS
-        from kvserve.model.linear.blocks import BlockLinear, BlockWeight
+        from kvserve.model.linear.blocks import BlockLinear
 
         (part,) = head.head.parts
-        fmt, target = FORMATS[head.qtype], FORMATS[GUESS_QTYPE]
-        vocab, hidden = part.out_features, part.in_features
-        smaller = target.gguf_bytes / target.values < fmt.gguf_bytes / fmt.values
-        if not smaller or hidden % target.values or part.bias is not None:
-            return head.head
-        raw = []
-        for first in range(0, vocab, GUESS_CHUNK_ROWS):
-            rows = torch.arange(first, min(first + GUESS_CHUNK_ROWS, vocab))
-            raw.append(
-                self.kernels.blocks_quantize_q4_0(dequantize_rows(head.qtype, head.raw, rows))
-            )
-        weight = BlockWeight.from_raw(GUESS_QTYPE, np.concatenate(raw), self.kernels)
-        return BlockLinear((weight,))
+        weight = part.requantized(
+            GUESS_QTYPE,
+            lambda rows: dequantize_rows(head.qtype, head.raw, rows),
+            GUESS_CHUNK_ROWS,
+        )
+        return head.head if weight is part else BlockLinear((weight,))
 
     @property
     def num_bytes(self) -> int:

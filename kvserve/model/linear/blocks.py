@@ -37,7 +37,7 @@ Typical use::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -215,11 +215,19 @@ class BlockWeight:
         `fine`), then `apply_blocks`."""
         return self.apply_blocks(self.kernels.blocks_quantize(x, fine))
 
-    def requantized(self, qtype: str) -> BlockWeight:
+    def requantized(
+        self,
+        qtype: str,
+        rows_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        chunk_rows: int = 8192,
+    ) -> BlockWeight:
         """This weight in `qtype` (REQUANTIZE_TYPES) where its blocks take more bytes a value
         and its inputs are whole blocks of it, else itself: the file's values (as ggml
         dequantizes them) rounded again by ggml's reference quantizer. For a draft model, whose
-        rounding only changes which guesses are accepted (kvserve/engine/draft.py)."""
+        rounding only changes which guesses are accepted (kvserve/engine/draft.py).
+        `rows_of(rows)`: the float32 values [len(rows), in] of output rows `rows` ([n] int64),
+        read `chunk_rows` at a time (a large head: no float copy of it whole); default, this
+        weight dequantized at once."""
         if qtype not in REQUANTIZE_TYPES:
             raise ValueError(
                 f"requantizing to {qtype!r} is not supported (use {' or '.join(REQUANTIZE_TYPES)})"
@@ -230,7 +238,17 @@ class BlockWeight:
             or self.in_features % target.values
         ):
             return self
-        raw = self.kernels.blocks_quantize_q4_0(self.dequantize())
+        quantize = self.kernels.blocks_quantize_q4_0
+        if rows_of is None:
+            raw = quantize(self.dequantize())
+        else:
+            n = self.out_features
+            raw = np.concatenate(
+                [
+                    quantize(rows_of(torch.arange(first, min(first + chunk_rows, n))))
+                    for first in range(0, n, chunk_rows)
+                ]
+            )
         return BlockWeight.from_raw(qtype, raw, self.kernels, self.bias)
 
     def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
