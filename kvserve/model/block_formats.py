@@ -58,8 +58,10 @@ def packed_shape(fmt: BlockFormat, n: int, k: int) -> tuple[int, int, int]:
 
 
 class ActivationBlocks(NamedTuple):
-    """Rows in blocks of 32: values ~= q * scales per block, q in -127..127 (8 bits); in the
-    finer form (`rest` given, 12 bits), values ~= (16 q + rest) * scales with rest in -8..8.
+    """Rows in blocks of 32: values ~= q * scales per block, q in -127..127 (8 bits; a width
+    of whole 256s has one scale per 256, repeated over its 8 blocks, as the K-quants' product
+    takes it); in the finer form (`rest` given, 12 bits), values ~= (16 q + rest) * scales
+    with rest in -8..8.
     `sums` holds the sums of the integer values (q, or 16 q + rest) over each 16 values (the
     kernels' offset terms)."""
 

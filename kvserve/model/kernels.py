@@ -1098,6 +1098,11 @@ class CpuKernels:
             columns,
             _threads(),
         )
+        _require(
+            status != -3,
+            "the K-quants' 8-bit activation blocks need one scale per 256 values "
+            "(as blocks_quantize makes them)",
+        )
         _require(status == 0, f"the block product refused its arguments (status {status})")
         return out
 

@@ -139,6 +139,21 @@ def test_activation_blocks_are_q8_0_with_float_scales_and_sums_of_16():
     assert torch.equal(act.sums, act.q.view(5, 6, 16).sum(-1, dtype=torch.int32))
 
 
+def test_eight_bit_blocks_of_whole_256s_share_one_scale_per_256():
+    """A k of whole 256s: one scale per 256 values (llama.cpp's Q8_K), written for each of its
+    8 blocks; the finer form keeps its blocks of 32."""
+    x = torch.randn(3, 512) * torch.linspace(0.1, 4, 512)
+    act = act_blocks(x)
+    wide = x.view(3, 2, 256).abs().amax(-1) / 127
+    assert torch.equal(act.scales, wide.repeat_interleave(8, dim=1))
+    assert int(act.q.abs().amax()) == 127 and act.q.abs().view(3, 2, 256).amax(-1).min() == 127
+    assert torch.equal(act.sums, act.q.to(torch.int32).view(3, 32, 16).sum(-1))
+    steps = act.scales.double().repeat_interleave(32, dim=1)
+    assert ((act.dequantize() - x.double()).abs() <= steps * 0.5001).all()
+    fine = act_blocks(x, fine=True)
+    assert torch.equal(fine.scales * 16, x.view(3, 16, 32).abs().amax(-1) / 127)
+
+
 def test_the_finer_form_adds_a_4_bit_rest():
     x = torch.randn(5, 96) * torch.linspace(0.1, 30, 96)
     x[2, 32:64] = 0
@@ -413,6 +428,10 @@ def test_the_kernels_refuse_what_they_cannot_take():
         gemm(act._replace(rest=bad), [part])
     with pytest.raises(KernelInputError, match="at least one"):
         gemm(act, [])
+    uneven = act.scales.clone()
+    uneven[0, 3] *= 2  # the K-quants' 8-bit form shares one scale per 256 values
+    with pytest.raises(KernelInputError, match="one scale per 256"):
+        gemm(act._replace(scales=uneven), [part])
     with pytest.raises(KernelInputError, match="norm weight"):
         KERNELS.blocks_add_rmsnorm(torch.randn(2, 64), None, torch.ones(32), 1e-6)
     with pytest.raises(KernelInputError, match="even"):
@@ -486,3 +505,43 @@ def test_without_avx2_the_product_says_so_and_packing_still_works(tmp_path):
         ctypes.addressof(table), 1, out.data_ptr(), 20, 1,
     )  # fmt: skip
     assert status == -2
+
+
+@needs_product
+def test_the_avx2_product_gives_this_machines_floats(tmp_path):
+    """Built for AVX2 without VNNI (vpmaddubsw's int16 pair sums, the sub-block scales applied
+    by vpmaddwd), the product gives the same float32 results as this machine's build, bit for
+    bit, in both activation forms and tiles of 1, 2 and 4 rows (and 7 = 4 + 2 + 1)."""
+    library = tmp_path / "blocks_avx2.so"
+    result = subprocess.run(
+        [_compiler(), "-O2", "-march=haswell", *kernel_build.FLAGS[2:], "-shared",
+         str(SOURCE), "-o", str(library), "-lm"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lib = ctypes.CDLL(str(library))
+    for symbol in next(f for f in kernel_build.FAMILIES if f.name == "blocks").symbols:
+        symbol.bind(lib)
+    assert lib.kvserve_blocks_isa() == 1
+    k, n = 512, 40
+    x = torch.randn(7, k) * 3
+    for fine in (False, True):
+        act = act_blocks(x, fine)
+        for qtype in FORMATS:
+            weight = from_raw(qtype, random_raw(qtype, n, k, seed=3), torch.randn(n))
+            table = (BlocksWeightStruct * 1)(
+                BlocksWeightStruct(weight.packed.data_ptr(), weight.bias.data_ptr(), n,
+                                   block_format(qtype).ggml_type)
+            )  # fmt: skip
+            for rows in (1, 2, 4, 7):
+                out = torch.empty(rows, n)
+                status = lib.kvserve_blocks_gemm(
+                    act.q.data_ptr(), None if act.rest is None else act.rest.data_ptr(),
+                    act.scales.data_ptr(), act.sums.data_ptr(), rows, k,
+                    ctypes.addressof(table), 1, out.data_ptr(), n, 1,
+                )  # fmt: skip
+                assert status == 0
+                mine = weight.apply_blocks(blocks.ActivationBlocks(*(
+                    None if t is None else t[:rows] for t in act
+                )))  # fmt: skip
+                assert torch.equal(out, mine), (qtype, fine, rows)

@@ -66,7 +66,9 @@ int kvserve_blocks_quantize_q4_0(const float *x, int64_t rows, int64_t k, uint8_
 /* Rows x [rows][k] (row stride row_stride elements, k a multiple of 32) as activation blocks:
  * q [rows][k] int8 in -127..127, scales [rows][k / 32], sums [rows][k / 16] (the sums of the
  * integer values over each 16). Value j of a block is q[j] * scale, or, when rest is not NULL
- * (the finer form, 12 bits), (16 q[j] + rest[j]) * scale with rest [rows][k] in -8..8. */
+ * (the finer form, 12 bits), (16 q[j] + rest[j]) * scale with rest [rows][k] in -8..8. In the
+ * 8-bit form a k of whole 256s gets one scale per 256 values (llama.cpp's Q8_K), written for
+ * each of their 8 blocks of 32: the K-quants' product takes them so. */
 void kvserve_blocks_quantize_f32(const float *x, int64_t rows, int64_t k, int64_t row_stride,
                                  int8_t *q, int8_t *rest, float *scales, int32_t *sums,
                                  int num_threads);
@@ -88,7 +90,8 @@ void kvserve_blocks_silu_mul(const float *gate_up, int64_t rows, int64_t width, 
  * values (rest NULL for the 8-bit form) and the parts' packed weights (each of k inputs), part p
  * writing the columns after those of parts 0..p-1 in rows of ldc floats. 0; -1 for an unknown
  * format or a k that is not whole blocks of a part's format; -2 when the product was not built
- * (kvserve_blocks_isa 0). */
+ * (kvserve_blocks_isa 0); -3 for K-quant parts and 8-bit activations whose scales are not one
+ * per 256 values. */
 int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales,
                         const int32_t *sums, int64_t rows, int64_t k,
                         const kvserve_blocks_weight *parts, int64_t num_parts, float *out,
