@@ -21,6 +21,7 @@ from kvserve.cli import (
     parse_size,
     resolve_model_argument,
 )
+from kvserve.collector import collector_paused
 from kvserve.config import ServerConfig, env_default, parse_origins
 from kvserve.server.tools import TOOL_CALL_PARSERS
 
@@ -329,7 +330,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
-    from kvserve.server.app import Server, create_app
+    with collector_paused():  # torch and FastAPI: 0.2-0.4 s less on 2 cores (kvserve.collector)
+        from kvserve.server.app import Server, create_app
 
     failed: list[BaseException] = []
     server: Server | None = None
