@@ -387,6 +387,25 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor_id (/proc/cpuinfo: GenuineIntel, AuthenticAMD, ...), "" if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def compile_flags() -> tuple[str, ...]:
+    """FLAGS and what this CPU's vendor asks of the sources: on AMD's cores the block product
+    prefetches its weight stream as non-temporal (csrc/blocks_gemm.c says what each vendor's
+    cores measured)."""
+    return FLAGS + (("-DKVSERVE_PREFETCH_NTA",) if cpu_vendor() == "AuthenticAMD" else ())
+
+
 def find_compiler() -> str | None:
     """$CC when set (None if it names no program: the compiler asked for is missing), else cc
     or gcc on the PATH."""
@@ -462,7 +481,8 @@ def build(
         return result
     result.directory = target
     headers = b"".join(path.read_bytes() for path in sorted(csrc.glob("*.h")))
-    key = "\n".join(FLAGS).encode() + compiler.encode() + platform.machine().encode()
+    flags = compile_flags()
+    key = "\n".join(flags).encode() + compiler.encode() + platform.machine().encode()
     key += " ".join(sorted(cpu_flags())).encode()
 
     sources = sorted({source for family in families for source in family.sources})
@@ -477,7 +497,7 @@ def build(
             built = Path(tmp) / obj.name
             try:
                 run = subprocess.run(
-                    [compiler, *FLAGS, "-c", str(csrc / source), "-o", str(built)],
+                    [compiler, *flags, "-c", str(csrc / source), "-o", str(built)],
                     capture_output=True,
                     text=True,
                 )

@@ -154,6 +154,21 @@ def test_an_unwritable_cache_directory_falls_back_to_a_temporary_one(tmp_path):
     assert kernel_build.writable_directory(tmp_path / "fine") == (tmp_path / "fine", None)
 
 
+def test_the_block_products_prefetch_as_the_vendors_cores_measured(monkeypatch):
+    """prefetchnta on AMD's cores, prefetcht0 elsewhere (csrc/blocks_gemm.c): the flags say
+    which, and they are part of every object's key."""
+    monkeypatch.setattr(kernel_build, "cpu_vendor", lambda: "AuthenticAMD")
+    amd = kernel_build.compile_flags()
+    monkeypatch.setattr(kernel_build, "cpu_vendor", lambda: "GenuineIntel")
+    intel = kernel_build.compile_flags()
+    assert "-DKVSERVE_PREFETCH_NTA" in amd and "-DKVSERVE_PREFETCH_NTA" not in intel
+    assert set(kernel_build.FLAGS) <= set(intel) and set(kernel_build.FLAGS) <= set(amd)
+    monkeypatch.undo()
+    with open("/proc/cpuinfo") as cpuinfo:
+        vendors = {line.split(":")[1].strip() for line in cpuinfo if line.startswith("vendor_id")}
+    assert vendors == {kernel_build.cpu_vendor()}
+
+
 def test_no_compiler_builds_nothing_and_says_what_it_costs(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert kernel_build.find_compiler() is None

@@ -968,12 +968,22 @@ ALWAYS void block_sums8(const int MR_, const int NV, const int fine, const uint8
     }
 }
 
-/* How far ahead (bytes) the record stream of a panel is prefetched (non-temporal: a record is
- * read once). Measured on the AVX2 machine (one row, the 1.5B's products streamed from memory,
- * 2 threads, best of 6 rounds): none 11.9 GB/s, 1.5 KB 14.1, 3 KB 13.6, with prefetcht0 1.5 KB
- * 13.1, 3 KB 13.1, 6 KB 12.3, against 20.1 GB/s for sums over a buffer in the same rounds. */
+/* How far ahead (bytes) the record stream of a panel is prefetched, and how: prefetcht0, but
+ * prefetchnta (non-temporal: a record is read once) on AMD's cores, where kernel_build defines
+ * KVSERVE_PREFETCH_NTA. Measured on the AMD AVX2 machine (one row, the 1.5B's products streamed
+ * from memory, 2 threads, best of 6 rounds): none 11.9 GB/s, prefetchnta 1.5 KB 14.1, 3 KB 13.6,
+ * prefetcht0 1.5 KB 13.1, 3 KB 13.1, 6 KB 12.3, against 20.1 GB/s for sums over a buffer. On an
+ * Intel Xeon (Sapphire Rapids, AVX512; kvserve/bench/blocks_bench.py, 8 layers, ms for 1 / 4 /
+ * 32 rows): prefetchnta 23.2 / 24.1 / 107.5, none 19.4 / 23.3 / 61.8, prefetcht0 15.0 / 16.0 /
+ * 54.8 (at 768 B or 3 KB the same, prefetcht1 the same): there 81% of the 1-row product's
+ * samples waited at the prefetchnta. */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 1536
+#endif
+#ifdef KVSERVE_PREFETCH_NTA
+#define PREFETCH_LOCALITY 0
+#else
+#define PREFETCH_LOCALITY 3
 #endif
 
 /*
@@ -992,7 +1002,7 @@ ALWAYS void tile_products(const int format, const int MR_, const int NV, const i
         const uint8_t *rec = panel + r * f->record;
         if (lane == 0)
             for (int64_t at = 0; at < f->record; at += 64)
-                __builtin_prefetch(rec + PREFETCH_AHEAD + at, 0, 0);
+                __builtin_prefetch(rec + PREFETCH_AHEAD + at, 0, PREFETCH_LOCALITY);
         vf d[2];
         /* offsets of this vector's columns in arrays of 16 float16 and of 16 bytes */
 #define HALFS(v) ((lane + LANES * (v)) / 2)
