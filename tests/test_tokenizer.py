@@ -862,3 +862,17 @@ def test_empty_stop_strings_are_ignored_and_add_after_flush_fails(tok):
         detokenizer.add(tok.encode("x")[0])
     no_stops = tok.detokenizer(stop=None)
     assert "".join(no_stops.add(i) for i in tok.encode("abc")) + no_stops.flush() == "abc"
+
+
+def test_byte_level_tokens_spell_their_bytes_and_others_their_utf8():
+    from kvserve.tokenizer import _BYTE_TO_CHAR, _byte_level_bytes
+
+    every_byte = "".join(_BYTE_TO_CHAR[byte] for byte in range(256))
+    assert _byte_level_bytes(every_byte) == bytes(range(256))
+    assert _byte_level_bytes("ĠhelloĊ") == b" hello\n"
+    assert _byte_level_bytes("<|im_start|>") == b"<|im_start|>"
+    assert _byte_level_bytes("") == b""
+    # One character outside the alphabet (a space, a tab, CJK, the word marker): the whole token
+    # is its own UTF-8, as the ByteLevel decoder reads it.
+    for outside in ("a b", "Ġ\t", "日本", "x\u2581y", "Ā\u00a0"):
+        assert _byte_level_bytes(outside) == outside.encode("utf-8")
