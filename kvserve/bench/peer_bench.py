@@ -130,11 +130,16 @@ def measure_kvserve(
 
 
 def measure_peer(
-    model: str, slots: int, context: int, concurrencies: tuple[int, ...]
+    model: str,
+    slots: int,
+    context: int,
+    concurrencies: tuple[int, ...],
+    binary: Path | None = None,
 ) -> ServerFigures:
+    """llama-server's figures; `binary`: another build of it (default: `peer.build`'s)."""
     from kvserve.bench.peer import built_binary, server_argv
 
-    binary = built_binary()
+    binary = binary or built_binary()
     if binary is None:
         raise RuntimeError("llama-server is not built: python -m kvserve.bench.peer build")
     figures = ServerFigures("llama-server")
@@ -153,9 +158,15 @@ def measure_peer(
     return figures
 
 
-def run(model: str, slots: int = 8, context: int = 2048, wide: int = 32) -> list[ServerFigures]:
+def run(
+    model: str,
+    slots: int = 8,
+    context: int = 2048,
+    wide: int = 32,
+    peer_binary: Path | None = None,
+) -> list[ServerFigures]:
     """Every figure of the module docstring, peers in turn on the same file."""
-    peer = measure_peer(model, slots, context, (1, slots))
+    peer = measure_peer(model, slots, context, (1, slots), peer_binary)
     ours = measure_kvserve(model, slots, context, (1, slots), "kvserve")
     results = [peer, ours]
     if wide:
@@ -215,12 +226,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--context-per-slot", type=int, default=2048)
     parser.add_argument("--wide", type=int, default=32, help="kvserve's many-stream run (0: off)")
+    parser.add_argument(
+        "--llama-server",
+        type=Path,
+        default=None,
+        help="a llama-server binary built another way (default: python -m kvserve.bench.peer "
+        "build's), e.g. without a path that fails on this machine",
+    )
     args = parser.parse_args(argv)
     from kvserve.model.paths import resolve_model_path
 
     model = str(resolve_model_path(args.model))
     print(machine_line(), flush=True)
-    results = run(model, args.slots, args.context_per_slot, args.wide)
+    results = run(model, args.slots, args.context_per_slot, args.wide, args.llama_server)
     print(format_report(model, results, args.slots))
     return 0
 
