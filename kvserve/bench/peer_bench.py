@@ -1,6 +1,7 @@
 """kvserve against llama.cpp's `llama-server` on the same GGUF file, in the same run.
 
     python -m kvserve.bench.peer_bench MODEL.gguf [--slots 8] [--context-per-slot 2048]
+        [--wide 32] [--llama-server PATH]
 
 Both servers get 2 threads and the same context per slot (llama-server `-t 2 -np 8 -c 8*2048`;
 kvserve `--max-num-seqs 8 --max-model-len 2048` over a pool of 8 full contexts). Measured:
