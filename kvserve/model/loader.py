@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,9 +219,14 @@ class LoadedModel:
     quantization: list[str]  # the checkpoint's tensor types
     # What `--quantization` resolved to ("none" | "int8" | "q4") and why, in a few words.
     quantization_reason: str = "asked for"
-    # The prepared-weight cache at this load: "hit", "written", "rebuilt" (a corrupt file was
-    # replaced), "unwritten" (could not write), "off" (disabled or nothing to prepare).
+    # The prepared-weight cache at this load: "hit", "written" (repacked, the file written
+    # behind the load: `weight_cache_written`), "rebuilt" (a corrupt file is replaced),
+    # "unwritten" (could not write; set when the write fails), "off" (disabled or nothing to
+    # prepare).
     weight_cache: str = "off"
+    # The write of the prepared-weight file behind this load (its result: the file's path, or
+    # None when it could not be written); None when nothing is written.
+    weight_cache_written: Future | None = None
     kernels: CpuKernels | None = None  # the CPU kernels the model runs on (None on CUDA)
     # Where the load's seconds went: building the kernels, reading the file's header and
     # vocabulary, and preparing the weights (repacked, or mapped from the prepared-weight cache).
@@ -235,8 +241,8 @@ class LoadedModel:
         the prepared-weight cache)"."""
         how = {
             "hit": "mapped from the prepared-weight cache",
-            "written": "repacked, then written to the prepared-weight cache",
-            "rebuilt": "repacked: the cached copy was unusable and is replaced",
+            "written": "repacked; the prepared-weight cache is written behind the start",
+            "rebuilt": "repacked: the cached copy was unusable and is replaced behind the start",
             "unwritten": "repacked; the prepared-weight cache could not be written",
         }.get(self.weight_cache, "read from the checkpoint")
         return (
@@ -392,7 +398,7 @@ def _load_model(
     prepared_as = quantization
     if quantization == "gguf" and device_config.requantize is not None:
         prepared_as = f"gguf>{device_config.requantize}"
-    llama, cache_status = _prepared_model(
+    llama, cache_status, written = _prepared_model(
         cache, path, config, prepared_as, dtype, device, prepare, kernels, checkpoint
     )
     weights_done = time.perf_counter()
@@ -414,7 +420,15 @@ def _load_model(
         weights_seconds=weights_done - read_done,
         file_bytes=_checkpoint_bytes(path),
         requantized=device_config.requantize if quantization == "gguf" else None,
+        weight_cache_written=written,
     )
+    if written is not None:
+
+        def unwritten(future: Future) -> None:
+            if future.exception() is not None or future.result() is None:
+                loaded.weight_cache = "unwritten"
+
+        written.add_done_callback(unwritten)
     log.info(loaded.summary())
     return loaded
 
@@ -435,11 +449,12 @@ def _prepared_model(
     prepare,
     kernels: CpuKernels | None,
     checkpoint=None,
-) -> tuple[LlamaModel, str]:
+) -> tuple[LlamaModel, str, Future | None]:
     """The model from the prepared-weight cache when it has it, else `prepare()` (then
-    cached). Returns the model and what the cache did (see LoadedModel.weight_cache)."""
+    cached behind the load). Returns the model, what the cache did (see LoadedModel.weight_cache)
+    and the write of its file, if one was started."""
     if cache is None:
-        return prepare(), "off"
+        return prepare(), "off", None
     from kvserve.model.weight_cache import CorruptCacheError, cache_key
 
     key = cache_key(
@@ -458,7 +473,7 @@ def _prepared_model(
                 model = LlamaModel.from_prepared(
                     config, *found, kernels=kernels, checkpoint=checkpoint, dtype=dtype
                 )
-                return model, "hit"
+                return model, "hit", None
             except (KeyError, ValueError, RuntimeError) as exc:
                 cache.discard(key, exc)
                 status = "rebuilt"
@@ -466,6 +481,4 @@ def _prepared_model(
         status = "rebuilt"
     model = prepare()
     tensors, numbers = model.prepared_tensors()
-    if cache.store(key, tensors, numbers, source=path) is None:
-        status = "unwritten"
-    return model, status
+    return model, status, cache.store_behind(key, tensors, numbers, source=path)

@@ -7,8 +7,13 @@ Each test gets its own cache directory under tmp_path; the tiny synthetic model
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import subprocess
+import sys
+import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -17,10 +22,12 @@ import torch
 from kvserve.bench.big_model import TINY, generate
 from kvserve.config import DeviceConfig
 from kvserve.model import llama as llama_module
+from kvserve.model import weight_cache
 from kvserve.model.kernels import load_kernels
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.linear import int8 as quant
 from kvserve.model.loader import cpu_has_bf16, load_model
+from kvserve.model.weight_cache import WeightCache
 from tests.model.helpers import Chunk, greedy_continuation
 
 pytestmark = pytest.mark.skipif(
@@ -71,7 +78,8 @@ def load(path, cache_dir, **options):
 def test_second_load_reuses_the_prepared_weights(tiny_files, tmp_path, preparations):
     first = load(tiny_files["Q4_0"], tmp_path)
     assert (first.weight_cache, len(preparations)) == ("written", 1)
-    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+    written = first.weight_cache_written.result()  # written behind the load
+    assert list(tmp_path.glob("*.safetensors")) == [written]
     second = load(tiny_files["Q4_0"], tmp_path)
     assert (second.weight_cache, len(preparations)) == ("hit", 1)
     # Memory-mapped: the cache file is mapped into this process.
@@ -123,8 +131,9 @@ def test_the_cache_is_invalidated_when_the_preparation_changes(
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "zeroed", "empty"])
 def test_a_corrupt_cache_file_is_rebuilt(tiny_files, tmp_path, preparations, damage):
-    expected = prompt_logits(load(tiny_files["Q4_0"], tmp_path))
-    (cached,) = tmp_path.glob("*.safetensors")
+    first = load(tiny_files["Q4_0"], tmp_path)
+    expected = prompt_logits(first)
+    cached = first.weight_cache_written.result()
     data = bytearray(cached.read_bytes())
     middle = len(data) // 2
     if damage == "truncated":
@@ -144,10 +153,76 @@ def test_a_corrupt_cache_file_is_rebuilt(tiny_files, tmp_path, preparations, dam
     assert torch.equal(prompt_logits(again), expected)
 
 
+def test_a_load_waits_for_the_file_another_load_is_writing(
+    tiny_files, tmp_path, preparations, monkeypatch
+):
+    """The file is written behind the first load; a second load of the same model in the
+    process, started while it is written, maps it instead of preparing again."""
+    store = WeightCache.store
+    started = threading.Event()
+
+    def slow_store(self, *args, **kwargs):
+        started.set()
+        time.sleep(0.5)
+        return store(self, *args, **kwargs)
+
+    monkeypatch.setattr(WeightCache, "store", slow_store)
+    first = load(tiny_files["Q4_0"], tmp_path)
+    assert started.wait(10) and not first.weight_cache_written.done()
+    second = load(tiny_files["Q4_0"], tmp_path)
+    assert (first.weight_cache, second.weight_cache, len(preparations)) == ("written", "hit", 1)
+    assert torch.equal(prompt_logits(first), prompt_logits(second))
+
+
+def test_a_process_that_ends_at_once_still_leaves_the_whole_file(tiny_files, tmp_path):
+    """The writer is not a daemon, even when a daemon thread loads (as the server's threads
+    do): a process that loads a model and ends at once leaves the whole file (no temporary
+    one), which the next load maps."""
+    script = (
+        "import sys, threading\n"
+        "from kvserve.config import DeviceConfig\n"
+        "from kvserve.model.loader import load_model\n"
+        "config = DeviceConfig(device='cpu', weight_cache_dir=sys.argv[2], quantization='int8')\n"
+        "loaded = []\n"
+        "thread = threading.Thread(target=lambda: loaded.append(load_model(sys.argv[1], config)),"
+        " daemon=True)\n"
+        "thread.start()\n"
+        "thread.join()\n"
+        "print(loaded[0].weight_cache)\n"
+    )
+    ended = subprocess.run(
+        [sys.executable, "-c", script, str(tiny_files["Q8_0"]), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ended.returncode == 0, ended.stderr
+    assert ended.stdout.split() == ["written"]
+    assert [p.suffix for p in tmp_path.iterdir()] == [".safetensors"]
+    assert load(tiny_files["Q8_0"], tmp_path).weight_cache == "hit"
+
+
+def test_a_write_removes_what_a_killed_writer_left(tmp_path):
+    """A temporary file untouched for ABANDONED_AFTER seconds (its process was killed while
+    it wrote) is removed by the next write of that file; one being written is left alone."""
+    cache = WeightCache(tmp_path)
+    path = cache.path_for("0" * 32)
+    abandoned, live = tmp_path / f".{path.name}.abandoned", tmp_path / f".{path.name}.live"
+    for partial in (abandoned, live):
+        partial.write_bytes(b"part of a file")
+    long_ago = time.time() - weight_cache.ABANDONED_AFTER - 60
+    os.utime(abandoned, (long_ago, long_ago))
+    assert cache.store("0" * 32, {"w": torch.arange(8, dtype=torch.float32)}, {}) == path
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, live.name])
+    tensors, _ = cache.load("0" * 32)
+    assert torch.equal(tensors["w"], torch.arange(8, dtype=torch.float32))
+
+
 def test_an_unwritable_cache_directory_only_costs_the_cache(tiny_files, tmp_path):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the cache directory would be")
     loaded = load(tiny_files["Q8_0"], blocker / "prepared")
+    assert loaded.weight_cache_written.result() is None
     assert loaded.weight_cache == "unwritten"
     assert greedy_continuation(loaded.model, loaded.tokenizer.encode(PROMPT), 3)
 
@@ -212,7 +287,6 @@ def test_biases_qk_norms_and_an_untied_head_round_trip(tmp_path, arch, overrides
     """What llama-shaped tiny files lack: q|k|v biases, q/k norms, a separate lm_head."""
     from kvserve.model.llama import LlamaModel
     from kvserve.model.safetensors import SafetensorsCheckpoint
-    from kvserve.model.weight_cache import WeightCache
     from tests.model.test_safetensors import save_tiny, tiny_config
 
     save_tiny(tmp_path / "model", tiny_config(arch, **overrides))
