@@ -375,28 +375,26 @@ class BuildResult:
     compiled: int = 0  # object files compiled at this build (0: all cached)
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (/proc/cpuinfo), empty where they cannot be read."""
+def _cpuinfo(field: str) -> str:
+    """The first CPU's `field` in /proc/cpuinfo, "" where it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_vendor() -> str:
-    """The CPU's vendor_id (/proc/cpuinfo: GenuineIntel, AuthenticAMD, ...), "" if unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo), empty where they cannot be read."""
+    return frozenset(_cpuinfo("flags").split())
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor_id (/proc/cpuinfo: GenuineIntel, AuthenticAMD, ...), "" if unknown."""
+    return _cpuinfo("vendor_id")
 
 
 def compile_flags() -> tuple[str, ...]:

@@ -173,9 +173,9 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
     The mapping is kept out of transparent huge pages. The pool is laid out by layer and head,
     so one block is 2 x layers x kv_heads small pieces far apart: with 2 MiB pages (which numpy
-    asks for its large arrays) the first write to one block zeroes 2 MiB for every
-    piece, 224 MiB for qwen2.5-coder:1.5b's first token, about 0.5 s on a 2-core virtual machine
-    whose host backs the pages at first touch. With 4 KiB pages a block costs what it holds."""
+    asks for its large arrays) the first write to one block zeroes 2 MiB for every piece, 222
+    MiB for qwen2.5-coder:1.5b's first token, about 0.5 s on a 2-core virtual machine whose
+    host backs the pages at first touch. With 4 KiB pages a block costs what it holds."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

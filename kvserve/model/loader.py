@@ -292,17 +292,10 @@ def load_model(
     downloaded here. `kernels`: the CPU kernels to run on (default: this process's,
     `load_kernels()`). Runs on the device thread (see kvserve.model.device_thread), whichever
     thread calls it."""
-    return device_thread.call(_load_uncollected, model, device_config, kernels)
+    return device_thread.call(_load_model, model, device_config, kernels)
 
 
-def _load_uncollected(
-    model: str | None, device_config: DeviceConfig, kernels: CpuKernels | None
-) -> LoadedModel:
-    """`_load_model` with Python's cyclic collector paused (kvserve.collector)."""
-    with collector_paused():
-        return _load_model(model, device_config, kernels)
-
-
+@collector_paused()  # the vocabulary's and the tensors' containers (kvserve.collector)
 def _load_model(
     model: str | None, device_config: DeviceConfig, kernels: CpuKernels | None
 ) -> LoadedModel:

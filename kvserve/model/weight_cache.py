@@ -219,14 +219,6 @@ _writing: dict[Path, Future] = {}
 _writing_lock = threading.Lock()
 
 
-def wait_for_writes() -> None:
-    """Until every prepared-weight file being written in this process is written (or failed)."""
-    with _writing_lock:
-        pending = list(_writing.values())
-    for future in pending:
-        future.result()
-
-
 class WeightCache:
     """One directory of prepared-weight files, named by their key."""
 

@@ -462,6 +462,21 @@ def _compiler() -> str:
     return compiler
 
 
+def _blocks_library(library, *flags: str) -> ctypes.CDLL:
+    """blocks_gemm.c built at -O2 with `flags` into the shared object `library`, its family's
+    symbols bound."""
+    result = subprocess.run(
+        [_compiler(), "-O2", *flags, "-shared", str(SOURCE), "-o", str(library), "-lm"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    lib = ctypes.CDLL(str(library))
+    for symbol in next(f for f in kernel_build.FAMILIES if f.name == "blocks").symbols:
+        symbol.bind(lib)
+    return lib
+
+
 @pytest.mark.parametrize(("march", "vnni"), [("sapphirerapids", "zmm"), ("alderlake", "ymm")])
 def test_the_vnni_paths_compile(tmp_path, march, vnni):
     """AVX512-VNNI (16 columns a vector) and AVX-VNNI (8) build, with vpdpbusd in the
@@ -481,16 +496,7 @@ def test_the_vnni_paths_compile(tmp_path, march, vnni):
 def test_without_avx2_the_product_says_so_and_packing_still_works(tmp_path):
     """Built for plain x86-64 the family reports no product (the caller keeps a float path);
     its packing gives the same bytes as this machine's build."""
-    library = tmp_path / "blocks.so"
-    result = subprocess.run(
-        [_compiler(), "-O2", "-march=x86-64", "-fopenmp", "-std=c11", "-shared", "-fPIC",
-         str(SOURCE), "-o", str(library), "-lm"],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    lib = ctypes.CDLL(str(library))
-    for symbol in next(f for f in kernel_build.FAMILIES if f.name == "blocks").symbols:
-        symbol.bind(lib)
+    lib = _blocks_library(tmp_path / "blocks.so", "-march=x86-64", "-fopenmp", "-std=c11", "-fPIC")
     assert lib.kvserve_blocks_isa() == 0
     raw = random_raw("Q5_K", 20, 512)
     weight = from_raw("Q5_K", raw)
@@ -512,16 +518,7 @@ def test_the_avx2_product_gives_this_machines_floats(tmp_path):
     """Built for AVX2 without VNNI (vpmaddubsw's int16 pair sums, the sub-block scales applied
     by vpmaddwd), the product gives the same float32 results as this machine's build, bit for
     bit, in both activation forms and tiles of 1, 2 and 4 rows (and 7 = 4 + 2 + 1)."""
-    library = tmp_path / "blocks_avx2.so"
-    result = subprocess.run(
-        [_compiler(), "-O2", "-march=haswell", *kernel_build.FLAGS[2:], "-shared",
-         str(SOURCE), "-o", str(library), "-lm"],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    lib = ctypes.CDLL(str(library))
-    for symbol in next(f for f in kernel_build.FAMILIES if f.name == "blocks").symbols:
-        symbol.bind(lib)
+    lib = _blocks_library(tmp_path / "blocks_avx2.so", "-march=haswell", *kernel_build.FLAGS[2:])
     assert lib.kvserve_blocks_isa() == 1
     k, n = 512, 40
     x = torch.randn(7, k) * 3
