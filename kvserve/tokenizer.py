@@ -246,9 +246,40 @@ def _token_content(value: Any) -> str | None:
 # Vocabularies from GGUF metadata
 
 
-def _gguf_byte_level(fields: Mapping[str, Any], path: str | Path) -> tuple[Backend, bool]:
-    """A byte-level BPE vocabulary (`tokenizer.ggml.model = gpt2`) and whether llama.cpp adds
-    BOS to it by default."""
+def _tokenizer_json(
+    backend: Backend, twin: models.Model, vocab: dict[str, int], merges: list[tuple[str, str]]
+) -> dict[str, Any]:
+    """What `json.loads(backend.to_str())` gives for a BPE backend built from `vocab` and
+    `merges`, without writing and parsing them again (0.18 s for a 150k vocabulary): tokenizers
+    writes the other parts and `twin`, a model with the same options and no entries, and the
+    entries are the objects the backend was built from (merges as pairs)."""
+    shell = Backend(twin)
+    for part in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
+        component = getattr(backend, part)
+        if component is not None:
+            setattr(shell, part, component)
+    data = json.loads(shell.to_str())
+    data["model"] |= {"vocab": vocab, "merges": merges}
+    data["added_tokens"] = [
+        {
+            "id": token_id,
+            "content": token.content,
+            "single_word": token.single_word,
+            "lstrip": token.lstrip,
+            "rstrip": token.rstrip,
+            "normalized": token.normalized,
+            "special": token.special,
+        }
+        for token_id, token in sorted(backend.get_added_tokens_decoder().items())
+    ]
+    return data
+
+
+def _gguf_byte_level(
+    fields: Mapping[str, Any], path: str | Path
+) -> tuple[Backend, bool, dict[str, Any]]:
+    """A byte-level BPE vocabulary (`tokenizer.ggml.model = gpt2`), whether llama.cpp adds
+    BOS to it by default, and its tokenizer.json (parsed)."""
     tokens = list(_field_value(fields, "tokenizer.ggml.tokens", []))
     merges = list(_field_value(fields, "tokenizer.ggml.merges", []))
     token_types = list(_field_value(fields, "tokenizer.ggml.token_type", []))
@@ -259,17 +290,15 @@ def _gguf_byte_level(fields: Mapping[str, Any], path: str | Path) -> tuple[Backe
 
     spelled = [_respell_byte_level(token) for token in tokens]
     vocab = {token: token_id for token_id, token in enumerate(spelled)}
-    backend = Backend(
-        models.BPE(
-            vocab=vocab,
-            merges=[tuple(merge.split(" ", 1)) for merge in merges],
-            dropout=None,
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
-            ignore_merges=pre in _IGNORE_MERGES_PRES,
-        )
-    )
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    options = {
+        "dropout": None,
+        "continuing_subword_prefix": "",
+        "end_of_word_suffix": "",
+        "fuse_unk": False,
+        "ignore_merges": pre in _IGNORE_MERGES_PRES,
+    }
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, **options))
     backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
     backend.decoder = decoders.ByteLevel()
 
@@ -284,7 +313,8 @@ def _gguf_byte_level(fields: Mapping[str, Any], path: str | Path) -> tuple[Backe
             user_defined.append(AddedToken(token, normalized=False, special=False))
     backend.add_special_tokens(control)
     backend.add_tokens(user_defined)
-    return backend, pre in _ADD_BOS_PRES
+    data = _tokenizer_json(backend, models.BPE(vocab={}, merges=[], **options), vocab, pairs)
+    return backend, pre in _ADD_BOS_PRES, data
 
 
 def _merges_from_scores(
@@ -581,7 +611,7 @@ def _plain_text_data(data: dict[str, Any]) -> dict[str, Any] | None:
         if any(text in model.get("vocab", {}) for text in special_texts):
             kept = []
             for merge in merges:
-                left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
+                left, right = merge if isinstance(merge, list | tuple) else merge.split(" ", 1)
                 if not (
                     left in special_texts or right in special_texts or left + right in special_texts
                 ):
@@ -598,7 +628,8 @@ def _plain_text_data(data: dict[str, Any]) -> dict[str, Any] | None:
         if not whole_words:
             # Without whole-word matching only joins make a token: none makes these now.
             reserved_texts = set()
-        if len(kept) == len(merges) and not reserved_texts and model == data.get("model"):
+        unchanged = model.get("ignore_merges") == data["model"].get("ignore_merges")
+        if len(kept) == len(merges) and not reserved_texts and unchanged:
             return None
         model["merges"] = kept
         if reserved_texts:
@@ -820,9 +851,11 @@ class Tokenizer:
         chat_template: str | None = None,
         add_bos: bool = False,
         add_eos: bool = False,
+        data: dict[str, Any] | None = None,
     ) -> None:
-        serialized = backend.to_str()
-        data = json.loads(serialized)
+        """`data`: the backend's tokenizer.json, parsed, when the caller has it."""
+        if data is None:
+            data = json.loads(backend.to_str())
         self._decoding = _DecoderShape.of(data.get("decoder"))
         backend.encode_special_tokens = True
         self._backend = backend
@@ -908,8 +941,9 @@ class Tokenizer:
         model = _field_value(fields, "tokenizer.ggml.model")
         tokens = list(_field_value(fields, "tokenizer.ggml.tokens", []))
         token_types = list(_field_value(fields, "tokenizer.ggml.token_type", []))
+        data = None
         if model == "gpt2":
-            backend, add_bos = _gguf_byte_level(fields, path)
+            backend, add_bos, data = _gguf_byte_level(fields, path)
             default_ids = {"bos": None, "eos": None}
         elif model in ("llama", "t5"):
             backend, _unk = _gguf_sentencepiece(fields, path, unigram=model == "t5")
@@ -940,6 +974,7 @@ class Tokenizer:
             chat_template=_field_value(fields, "tokenizer.chat_template"),
             add_bos=bool(_field_value(fields, "tokenizer.ggml.add_bos_token", add_bos)),
             add_eos=bool(_field_value(fields, "tokenizer.ggml.add_eos_token", False)),
+            data=data,
         )
 
     @classmethod

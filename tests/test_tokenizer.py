@@ -32,6 +32,7 @@ from kvserve.tokenizer import (  # noqa: E402
     ChatTemplateError,
     IncrementalDetokenizer,
     Tokenizer,
+    _gguf_byte_level,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -660,6 +661,26 @@ def test_unsupported_gguf_vocabularies_are_refused_by_name(fields):
         Tokenizer.from_gguf("x.gguf", fields=fields.changed(tokenizer__ggml__model="bert"))
     with pytest.raises(ValueError, match="'made-up'"):
         Tokenizer.from_gguf("x.gguf", fields=fields.changed(tokenizer__ggml__pre="made-up"))
+
+
+@pytest.mark.parametrize("vocabulary", ["default", "default, whole words", "qwen2.5-coder:0.5b"])
+def test_a_gguf_vocabularys_tokenizer_json_is_the_one_tokenizers_writes(
+    fields, vocabulary, request
+):
+    """The tokenizer reads its backend's tokenizer.json from the objects it built the backend
+    from, not from `to_str`; it must be what `to_str` writes, every part of it."""
+    if vocabulary == "qwen2.5-coder:0.5b":  # 151,665 tokens, 22 of them added
+        from kvserve.model.gguf import read_header
+
+        source = read_header(request.getfixturevalue("qwen05_path")).fields
+    elif vocabulary == "default, whole words":
+        source = fields.changed(tokenizer__ggml__pre="llama-bpe")
+    else:
+        source = fields
+    backend, _add_bos, data = _gguf_byte_level(source, "test.gguf")
+    written = json.loads(backend.to_str())
+    assert written["added_tokens"], "no added tokens: the comparison would miss them"
+    assert json.loads(json.dumps(data)) == written
 
 
 # --------------------------------------------------------------------------------------------
