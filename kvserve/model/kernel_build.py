@@ -263,6 +263,7 @@ FAMILIES: tuple[Family, ...] = (
         "blocks.h",
         (
             _S("kvserve_blocks_isa", "i32", ""),
+            _S("kvserve_blocks_amx", "i32", ""),
             _S("kvserve_blocks_block_values", "i64", "format:i64"),
             _S("kvserve_blocks_gguf_bytes", "i64", "format:i64"),
             _S("kvserve_blocks_record_bytes", "i64", "format:i64"),
@@ -397,11 +398,20 @@ def cpu_vendor() -> str:
     return _cpuinfo("vendor_id")
 
 
+# The AMX-INT8 tile unit (Sapphire Rapids on): the block product's many-row path
+# (csrc/blocks_gemm.c, kvserve_blocks_amx). Asked for explicitly where the CPU has it, since
+# -march=native leaves it out where the compiler does not recognize the CPU model.
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
+
+
 def compile_flags() -> tuple[str, ...]:
-    """FLAGS and what this CPU's vendor asks of the sources: on AMD's cores the block product
-    prefetches its weight stream as non-temporal (csrc/blocks_gemm.c says what each vendor's
-    cores measured)."""
-    return FLAGS + (("-DKVSERVE_PREFETCH_NTA",) if cpu_vendor() == "AuthenticAMD" else ())
+    """FLAGS and what this CPU asks of the sources: on AMD's cores the block product prefetches
+    its weight stream as non-temporal (csrc/blocks_gemm.c says what each vendor's cores
+    measured); where /proc/cpuinfo lists amx_tile and amx_int8, the AMX-INT8 instructions."""
+    flags = FLAGS + (("-DKVSERVE_PREFETCH_NTA",) if cpu_vendor() == "AuthenticAMD" else ())
+    if {"amx_tile", "amx_int8"} <= cpu_flags():
+        flags += AMX_FLAGS
+    return flags
 
 
 def find_compiler() -> str | None:

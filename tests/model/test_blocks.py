@@ -1,12 +1,13 @@
 """Weights kept in GGUF block formats (kvserve/model/linear/blocks.py, csrc/blocks_gemm.c): decoding
 equal to the gguf package's, products equal to a float64 reference, rows independent of their
-batch mates and of the thread count, inputs refused before C runs, and both instruction-set
-paths built."""
+batch mates and of the thread count, inputs refused before C runs, every instruction-set path
+built, and the AMX-INT8 path giving the vector tiles' floats."""
 
 from __future__ import annotations
 
 import copy
 import ctypes
+import os
 import shutil
 import subprocess
 
@@ -497,7 +498,7 @@ def test_without_avx2_the_product_says_so_and_packing_still_works(tmp_path):
     """Built for plain x86-64 the family reports no product (the caller keeps a float path);
     its packing gives the same bytes as this machine's build."""
     lib = _blocks_library(tmp_path / "blocks.so", "-march=x86-64", "-fopenmp", "-std=c11", "-fPIC")
-    assert lib.kvserve_blocks_isa() == 0
+    assert lib.kvserve_blocks_isa() == 0 and lib.kvserve_blocks_amx() == 0
     raw = random_raw("Q5_K", 20, 512)
     weight = from_raw("Q5_K", raw)
     packed = torch.empty_like(weight.packed)
@@ -519,7 +520,7 @@ def test_the_avx2_product_gives_this_machines_floats(tmp_path):
     by vpmaddwd), the product gives the same float32 results as this machine's build, bit for
     bit, in both activation forms and tiles of 1, 2 and 4 rows (and 7 = 4 + 2 + 1)."""
     lib = _blocks_library(tmp_path / "blocks_avx2.so", "-march=haswell", *kernel_build.FLAGS[2:])
-    assert lib.kvserve_blocks_isa() == 1
+    assert lib.kvserve_blocks_isa() == 1 and lib.kvserve_blocks_amx() == 0
     k, n = 512, 40
     x = torch.randn(7, k) * 3
     for fine in (False, True):
@@ -542,3 +543,79 @@ def test_the_avx2_product_gives_this_machines_floats(tmp_path):
                     None if t is None else t[:rows] for t in act
                 )))  # fmt: skip
                 assert torch.equal(out, mine), (qtype, fine, rows)
+
+
+# -- AMX-INT8 -------------------------------------------------------------------------------------
+
+HAS_AMX = {"amx_tile", "amx_int8"} <= kernel_build.cpu_flags()
+
+
+def test_the_amx_path_runs_where_the_cpu_has_it_unless_turned_off():
+    """kvserve_blocks_amx: 0 on a CPU without AMX-INT8 (or with KVSERVE_AMX=0), 1 on one with
+    it; the banner says so."""
+    turned_off = os.environ.get("KVSERVE_AMX") == "0"
+    assert KERNELS.blocks_amx == (
+        HAS_AMX and KERNELS.blocks_isa == "AVX512-VNNI" and not turned_off
+    )
+    assert ("AMX-INT8 from 32 rows" in KERNELS.describe()) == KERNELS.blocks_amx
+    assert KERNELS.as_dict()["blocks_amx"] == KERNELS.blocks_amx
+
+
+@pytest.mark.skipif(
+    not KERNELS.blocks_amx, reason="needs a CPU with AMX-INT8 (and KVSERVE_AMX unset)"
+)
+def test_the_amx_product_gives_the_vector_tiles_floats(tmp_path, monkeypatch):
+    """The K-quants' 8-bit products of 32 rows and more on the tile unit (this process's
+    kernels) equal the vector tiles' (the same source built again, KVSERVE_AMX=0 when it first
+    asks), bit for bit: row counts not a multiple of 16 or 32, columns not a multiple of 16,
+    biases, fused parts with other formats between them, one and two threads."""
+    lib = _blocks_library(tmp_path / "blocks_tiles.so", *kernel_build.compile_flags()[1:])
+    monkeypatch.setenv("KVSERVE_AMX", "0")
+    assert lib.kvserve_blocks_amx() == 0
+    monkeypatch.delenv("KVSERVE_AMX")
+    assert lib.kvserve_blocks_amx() == 0  # read once
+
+    def tiles_product(act, parts, rows, threads):
+        table = (BlocksWeightStruct * len(parts))(*(
+            BlocksWeightStruct(p.packed.data_ptr(), None if p.bias is None else p.bias.data_ptr(),
+                               p.out_features, block_format(p.qtype).ggml_type)
+            for p in parts
+        ))  # fmt: skip
+        columns = sum(p.out_features for p in parts)
+        out = torch.empty(rows, columns)
+        status = lib.kvserve_blocks_gemm(
+            act.q.data_ptr(), None, act.scales.data_ptr(), act.sums.data_ptr(), rows,
+            act.q.shape[1], ctypes.addressof(table), len(parts), out.data_ptr(), columns, threads,
+        )  # fmt: skip
+        assert status == 0
+        return out
+
+    generator = torch.Generator().manual_seed(5)
+    cases = [
+        [from_raw(qtype, random_raw(qtype, n, k, seed=n), torch.randn(n, generator=generator))]
+        for qtype in K_QUANTS
+        for n, k in ((40, 512), (300, 768))
+    ]
+    cases.append([from_raw("Q6_K", random_raw("Q6_K", 37, 256))])  # no bias
+    cases.append([
+        from_raw(qtype, random_raw(qtype, n, 512, seed=i), torch.randn(n, generator=generator))
+        for i, (qtype, n) in enumerate(
+            [("Q4_K", 70), ("Q5_0", 48), ("Q6_K", 21), ("Q8_0", 16), ("Q5_K", 64), ("Q4_K", 9)]
+        )
+    ])  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        for parts in cases:
+            k = parts[0].in_features
+            fused = BlockLinear(parts)
+            x = torch.randn(130, k, generator=generator) * 3
+            act = act_blocks(x)
+            for rows in (32, 33, 47, 64, 130):
+                rows_act = blocks.ActivationBlocks(*(None if t is None else t[:rows] for t in act))
+                for count in (1, 2):
+                    torch.set_num_threads(count)
+                    mine = fused.apply(rows_act)
+                    theirs = tiles_product(rows_act, parts, rows, count)
+                    assert torch.equal(mine, theirs), (fused.qtypes, rows, count)
+    finally:
+        torch.set_num_threads(threads)

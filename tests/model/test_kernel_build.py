@@ -169,6 +169,24 @@ def test_the_block_products_prefetch_as_the_vendors_cores_measured(monkeypatch):
     assert vendors == {kernel_build.cpu_vendor()}
 
 
+def test_amx_int8_is_asked_for_where_the_cpu_lists_it(monkeypatch):
+    """-mamx-tile -mamx-int8 (the block product's many-row path) exactly where /proc/cpuinfo
+    has both flags; part of every object's key like the other flags."""
+    for flags, expected in (
+        ({"avx512f", "amx_tile", "amx_int8", "amx_bf16"}, True),
+        ({"avx512f", "amx_tile", "amx_bf16"}, False),
+        ({"avx2"}, False),
+        (set(), False),
+    ):
+        monkeypatch.setattr(kernel_build, "cpu_flags", lambda flags=flags: frozenset(flags))
+        chosen = kernel_build.compile_flags()
+        assert (set(kernel_build.AMX_FLAGS) <= set(chosen)) == expected, flags
+        assert set(kernel_build.FLAGS) <= set(chosen)
+    monkeypatch.undo()
+    has_amx = {"amx_tile", "amx_int8"} <= kernel_build.cpu_flags()
+    assert (kernel_build.AMX_FLAGS[0] in kernel_build.compile_flags()) == has_amx
+
+
 def test_no_compiler_builds_nothing_and_says_what_it_costs(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert kernel_build.find_compiler() is None

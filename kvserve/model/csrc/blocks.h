@@ -1,7 +1,7 @@
 /*
  * Products with weights kept in GGUF's block formats (blocks_gemm.c): every exported symbol of
- * the family, with its full prototype. kvserve/model/native_blocks.py declares the same
- * signatures to ctypes and checks every argument before a call.
+ * the family, with its full prototype. kvserve/model/kernel_build.py declares the same
+ * signatures to ctypes and kvserve/model/kernels.py checks every argument before a call.
  *
  * Formats are named by their GGML type ids (ggml.h's enum ggml_type). A weight [n][k] is packed
  * into panels of KVSERVE_BLOCKS_PANEL output columns, each a run of records (one record per
@@ -40,6 +40,13 @@ typedef struct {
 /* The instructions the product was built with: 3 AVX512-VNNI, 2 AVX-VNNI, 1 AVX2, 0 none (then
  * kvserve_blocks_gemm does nothing and returns -2; the packing and quantizers still work). */
 int kvserve_blocks_isa(void);
+
+/* 1 when kvserve_blocks_gemm takes the K-quant parts of 8-bit products of 32 rows and more on
+ * the AMX-INT8 tile unit (the same float32 results, bit for bit): built with AMX-INT8 (kernel_build
+ * adds it where the CPU has it), the kernel grants the tile state, and the environment variable
+ * KVSERVE_AMX is not "0" (read once per process: KVSERVE_AMX=0 keeps every product on the vector
+ * tiles). */
+int kvserve_blocks_amx(void);
 
 /* Inputs per block (32 or 256), bytes per GGUF block, bytes per packed record of 16 columns;
  * 0 for a format the family does not know. */

@@ -16,7 +16,8 @@
  * one fixed sequence per output (cvt, mul, fma in the order of the blocks), done lane by lane.
  * So a row's result never depends on the other rows of the call, on the thread count, or on the
  * instruction set: the AVX2 and the AVX512-VNNI paths below run the same code over vectors of 8
- * or 16 columns and give the same float32 results, bit for bit.
+ * or 16 columns and give the same float32 results, bit for bit (and so does the AMX-INT8 path
+ * that takes the K-quants' products of many rows, see "many rows" below).
  *
  * Why 8-bit activations per block of 32 (llama.cpp's Q8_0): measured on Qwen2.5-Coder-0.5B's
  * Q4_K_M file (2,000 tokens of the quality text against the float32 model of the dequantized
@@ -73,6 +74,7 @@
  * file's bytes for 16 columns, rearranged: as many bytes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K)
  * or 2-3% more (Q4_K, Q5_K: the 6-bit scales kept as bytes).
  */
+#define _GNU_SOURCE /* syscall(): the tile unit's permission (kvserve_blocks_amx) */
 #include <stdint.h>
 #include <string.h>
 
@@ -1241,6 +1243,426 @@ static const tile_fn *tiles_of(int64_t format) {
     }
 }
 
+/* ---- many rows: AMX-INT8 -------------------------------------------------------------------- */
+
+/*
+ * From AMX_MIN_ROWS rows on, the K-quants' 8-bit form (one scale per 256) goes through
+ * Sapphire Rapids' tile unit (AMX-INT8) where the build and the CPU have it, the kernel grants
+ * the tile state (arch_prctl, asked once per process), and KVSERVE_AMX is not "0" in the
+ * environment (read once: kvserve_blocks_amx). Everything else, and every call when any of
+ * these is missing, takes the tiles above.
+ *
+ * Per panel of 16 columns and super-block of 256 inputs, the weights are expanded once for all
+ * the rows of the call to w_j = u_j * sc_g (Q4_K <= 15 * 63, Q5_K <= 31 * 63; Q6_K
+ * u_j * sc_g + 8192, in 128..16193), two unsigned bytes lo, hi in the tile unit's layout of B
+ * ([64 inputs / 4][16 columns][4]). Then per row, exactly in int32 (vpdpbsud's signed
+ * activations times unsigned bytes),
+ *
+ *   A = sum_j w_j p_j = C_lo + 256 C_hi        (Q6_K: less 8192 P, P the super-block's sum)
+ *
+ * the same A = sum_g sc_g S_g as the tiles above compute, and the offsets' B = sum_g m_g P_g
+ * (Q6_K: sum_g sc_g P_g) by vpdpwssd from the activation sums as there. The float update per
+ * row, column and super-block is the tiles' one (res = fma(cvt(A), D * e, res'), in the order
+ * of the super-blocks, the bias added last), so both paths give the same float32 results, bit
+ * for bit, and a row's result still depends on nothing but the row.
+ *
+ * Work: a unit is up to AMX_PANELS panels of one part with all the rows; the threads split
+ * the units (the tiles above take the other parts' panels as units of their own). A thread
+ * expands its unit's weights into its own buffer (AMX_PANELS * k / 256 * 8.6 KB: 1.2 MB for
+ * k = 8960) and then, super-block by super-block, multiplies each group of 32 rows (two A
+ * tiles, their 8 KB of activations shared by the unit's panels) with each panel's B tiles
+ * (8 KB, in L1 across the row groups); the float work of one product overlaps the tile
+ * unit's next. The activations are first copied, by all threads, into the tiles' order
+ * ([super-block][32 rows][4][64]; rows past the call's are zeros) with their sums' pairs.
+ * Buffers are per thread and grow only (kept for the thread's life): a decode step's
+ * products allocate nothing after the first.
+ *
+ * Measured on the Sapphire Rapids machine (kvserve/bench/blocks_bench.py: a decode step's
+ * products of the 1.5B, 28 layers, 2 threads; KVSERVE_AMX=0 and unset in turn, 2 rounds each):
+ * 32 rows 186-190 -> 159-161 ms, 128 rows 652 -> 355 ms, 512 rows 2866-2904 -> 1532-1550 ms;
+ * 1 and 8 rows unchanged (the tiles above). With the tile unit taking them, 16 rows went from
+ * 112-116 to 140-142 ms and 24 rows stayed at 151-154 ms: hence AMX_MIN_ROWS.
+ */
+#if BLOCKS_ISA == 3 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define BLOCKS_AMX 1
+#include <pthread.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_MIN_ROWS 32 /* rows of a call from which on the tile unit takes its K-quants */
+#define AMX_PANELS 4    /* panels of a unit: they share each pass over the activations */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_on;
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+
+static void amx_setup(void) {
+    const char *asked = getenv("KVSERVE_AMX");
+    if (asked && strcmp(asked, "0") == 0) return;
+    amx_on = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+int kvserve_blocks_amx(void) {
+    pthread_once(&amx_once, amx_setup);
+    return amx_on;
+}
+
+/* The tile configuration: palette 1, tiles 0-7 of 16 rows of 64 bytes. A constant, never
+ * built on the stack (an on-stack one whose zeroing the compiler dropped faulted ldtilecfg). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+static const amx_config AMX_CONFIG __attribute__((aligned(64))) = {
+    1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+/* tiles 0-3: the sums C (lo and hi of rows 0-15, then of rows 16-31), 4, 5: A (rows 0-15,
+ * 16-31), 6, 7: B (lo, hi) */
+
+/* A thread's buffer `slot` (0: a unit's expanded weights, 1: its float sums, 2: the call's
+ * activation tiles, 3: their sums' pairs) of at least `bytes` (64-byte aligned), grown as
+ * needed; NULL when memory runs out. */
+static void *amx_scratch(int slot, size_t bytes) {
+    static _Thread_local void *buffer[4];
+    static _Thread_local size_t size[4];
+    if (size[slot] < bytes) {
+        free(buffer[slot]);
+        bytes = (bytes + 4095) & ~(size_t)4095;
+        buffer[slot] = aligned_alloc(64, bytes);
+        size[slot] = buffer[slot] ? bytes : 0;
+    }
+    return buffer[slot];
+}
+
+/* One panel's super-block, expanded for the tile unit. */
+typedef struct __attribute__((aligned(64))) {
+    uint8_t lo[4][16][64], hi[4][16][64]; /* B tiles per 64 inputs: [input / 4][column][4] */
+    float d[16], dmin[16];                /* Q6_K: d only */
+    int16_t pairs[8][32]; /* B's multipliers: (m_2t, m_2t+1) per column, t < 4 (Q6_K: sc, t < 8) */
+} amx_block;
+
+/* bytes a[c], b[c] of 16 columns as int16 pairs, stored */
+ALWAYS void amx_store_pairs(int16_t *to, const uint8_t *a, int sign) {
+    _mm512_store_si512((void *)to, vi_pairs(a, a + 16, sign));
+}
+
+/* lo and hi bytes of the int16 products u * sc (+ offset) of a 64-byte vector of nibbles:
+ * even and odd bytes apart, so each product keeps its column and input */
+ALWAYS void amx_split(vi u, vi sc, vi offset, uint8_t *lo, uint8_t *hi) {
+    const vi low = _mm512_set1_epi16(0x00FF), high = _mm512_set1_epi16((short)0xFF00);
+    const vi even = _mm512_add_epi16(_mm512_mullo_epi16(vi_and(u, low), sc), offset);
+    const vi odd = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_srli_epi16(u, 8), sc), offset);
+    _mm512_store_si512((void *)lo, vi_or(vi_and(even, low), _mm512_slli_epi16(odd, 8)));
+    _mm512_store_si512((void *)hi, vi_or(_mm512_srli_epi16(even, 8), vi_and(odd, high)));
+}
+
+/* The scales of 16 columns in both int16 halves of each lane (sign: Q6_K's int8 scales). */
+ALWAYS vi amx_scale16(const uint8_t *p, int sign) {
+    const vi x = vi_scales(p, sign);
+    return vi_or(vi_and(x, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(x, 16));
+}
+
+/* Q4_K, Q5_K: sub-block j's 32 inputs are rows (j % 2) * 8 + step of B tile j / 2. */
+static void amx_expand_q45(const format_info *f, const uint8_t *rec, amx_block *o) {
+    const vi low4 = vi_bytes(0x0F), bit4 = vi_bytes(0x10), zero = vi_zero();
+    for (int j = 0; j < 8; j++) {
+        const vi sc = amx_scale16(rec + f->sc + 16 * j, 0);
+        const vi high = f->high >= 0 ? vi_load(rec + f->high + 64 * j) : zero;
+        for (int h = 0; h < 4; h++) {
+            const vi w = vi_load(rec + 256 * j + 64 * h);
+            for (int half = 0; half < 2; half++) {
+                vi u = vi_and(half ? vi_srl16(w, 4) : w, low4);
+                if (f->high >= 0) u = vi_or(u, vi_and(to_bit4(high, 2 * h + half), bit4));
+                const int row = (j % 2) * 8 + 2 * h + half;
+                amx_split(u, sc, zero, o->lo[j / 2][row], o->hi[j / 2][row]);
+            }
+        }
+    }
+    _mm512_store_ps(o->d, vf_half(rec + f->d));
+    _mm512_store_ps(o->dmin, vf_half(rec + f->dmin));
+    for (int t = 0; t < 4; t++) amx_store_pairs(o->pairs[t], rec + f->mn + 32 * t, 0);
+}
+
+/* Q6_K: sub-blocks of 16 (scales sc_2j, sc_2j+1 over the halves of the 32), w = u sc + 8192. */
+static void amx_expand_q6(const format_info *f, const uint8_t *rec, amx_block *o) {
+    const vi low4 = vi_bytes(0x0F), bits45 = vi_bytes(0x30), offset = _mm512_set1_epi16(8192);
+    for (int j = 0; j < 8; j++)
+        for (int v = 0; v < 2; v++) {
+            const vi sc = amx_scale16(rec + f->sc + 16 * (2 * j + v), 1);
+            const vi high = vi_load(rec + f->high + 128 * j + 64 * v);
+            for (int h = 2 * v; h < 2 * v + 2; h++) {
+                const vi w = vi_load(rec + 256 * j + 64 * h);
+                for (int half = 0; half < 2; half++) {
+                    const int step = 2 * h + half; /* pair step % 4 of the high byte */
+                    vi u = vi_and(half ? vi_srl16(w, 4) : w, low4);
+                    u = vi_or(u, vi_and(to_bit4(high, 2 * (step % 4)), bits45));
+                    const int row = (j % 2) * 8 + step;
+                    amx_split(u, sc, offset, o->lo[j / 2][row], o->hi[j / 2][row]);
+                }
+            }
+        }
+    _mm512_store_ps(o->d, vf_half(rec + f->d));
+    for (int t = 0; t < 8; t++) amx_store_pairs(o->pairs[t], rec + f->sc + 32 * t, 1);
+}
+
+/* The activations as the tile unit reads them, and per row and super-block the pairs of sums
+ * the offsets take: Q4_K, Q5_K (P_2t, P_2t+1) over 32s, t < 4; Q6_K (P_2t, P_2t+1) over 16s,
+ * t < 8, and slot 8 the super-block's sum. */
+typedef struct {
+    const int8_t *tiles; /* [k / 256][groups of 32 rows][4][32][64] */
+    const int32_t *pairs4, *pairs6; /* [rows][k / 256][16], NULL where no part needs them */
+    const float *e;
+    int64_t rows, k, groups;
+} amx_rows;
+
+static void amx_copy_tiles(const int8_t *q, int64_t rows, int64_t k, int64_t groups,
+                           int8_t *tiles, int64_t task) {
+    const int64_t b = task / groups, g = task % groups;
+    for (int st = 0; st < 4; st++)
+        for (int i = 0; i < 32; i++) {
+            int8_t *to = tiles + ((b * groups + g) * 4 + st) * 2048 + 64 * i;
+            if (32 * g + i < rows)
+                memcpy(to, q + (32 * g + i) * k + 256 * b + 64 * st, 64);
+            else
+                memset(to, 0, 64);
+        }
+}
+
+static inline int32_t pair16(int32_t a, int32_t b) {
+    return (int32_t)((uint32_t)(uint16_t)a | ((uint32_t)(uint16_t)b << 16));
+}
+
+static void amx_sum_pairs(const int32_t *sums, int64_t k, int64_t row, int32_t *pairs4,
+                          int32_t *pairs6) {
+    for (int64_t b = 0; b < k / 256; b++) {
+        const int32_t *s = sums + row * (k / 16) + 16 * b;
+        if (pairs4) {
+            int32_t *o = pairs4 + (row * (k / 256) + b) * 16;
+            for (int t = 0; t < 4; t++)
+                o[t] = pair16(s[4 * t] + s[4 * t + 1], s[4 * t + 2] + s[4 * t + 3]);
+        }
+        if (pairs6) {
+            int32_t *o = pairs6 + (row * (k / 256) + b) * 16, total = 0;
+            for (int t = 0; t < 8; t++) {
+                o[t] = pair16(s[2 * t], s[2 * t + 1]);
+                total += s[2 * t] + s[2 * t + 1];
+            }
+            o[8] = total;
+        }
+    }
+}
+
+/* The float update of rows r..r+count-1 (res with a row stride of `stride` floats) for
+ * super-block b of a panel, from the C tiles as stored: c[lo0, hi0, lo1, hi1][16][16]. */
+ALWAYS void amx_update(const int six, const amx_rows *x, const amx_block *o, int64_t b,
+                       int64_t r, int64_t count, int32_t (*c)[16][16], float *res,
+                       int64_t stride) {
+    const int64_t blocks = x->k / 256;
+    const vf d = _mm512_load_ps(o->d), dmin = six ? vf_zero() : _mm512_load_ps(o->dmin);
+    const int pairs = six ? 8 : 4;
+    vi m[8];
+    for (int t = 0; t < pairs; t++) m[t] = _mm512_load_si512((const void *)o->pairs[t]);
+    for (int64_t i = 0; i < count; i++) {
+        const int32_t *p = (six ? x->pairs6 : x->pairs4) + ((r + i) * blocks + b) * 16;
+        const int tile = (int)(i >> 4) * 2, at = (int)(i & 15);
+        vi a = vi_add32(_mm512_load_si512((const void *)c[tile][at]),
+                        vi_sll32(_mm512_load_si512((const void *)c[tile + 1][at]), 8));
+        vi off = vi_zero();
+        for (int t = 0; t < pairs; t++) off = vi_add_pairs(off, m[t], vi_set32(p[t]));
+        const vf ev = vf_set(x->e[(r + i) * (x->k / 32) + 8 * b]);
+        float *out = res + i * stride;
+        const vf before = _mm512_load_ps(out);
+        if (six) {
+            a = vi_sub32(a, vi_set32(8192 * p[8]));
+            const vi total = vi_sub32(a, vi_sll32(off, 5));
+            _mm512_store_ps(out, vf_fma(vf_cvt(total), vf_mul(d, ev), before));
+        } else {
+            const vf base = vf_fnma(vf_cvt(off), vf_mul(dmin, ev), before);
+            _mm512_store_ps(out, vf_fma(vf_cvt(a), vf_mul(d, ev), base));
+        }
+    }
+}
+
+/*
+ * Panels [first, first + count) of part w (a K-quant) for all the rows: out at the part's
+ * first column. 0, or -1 when this thread has no memory for its buffers (the caller then
+ * takes the tiles above).
+ */
+ALWAYS int amx_unit_format(const int six, const kvserve_blocks_weight *w, int64_t first,
+                           int count, const amx_rows *x, float *out, int64_t ldc) {
+    const format_info *f = find_format(w->format);
+    const int64_t blocks = x->k / 256, rows = x->rows;
+    amx_block *prep = amx_scratch(0, sizeof(amx_block) * AMX_PANELS * blocks);
+    float *res = amx_scratch(1, sizeof(float) * rows * AMX_PANELS * 16);
+    if (!prep || !res) return -1;
+    for (int pp = 0; pp < count; pp++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *rec = w->packed + ((first + pp) * blocks + b) * f->record;
+            if (six)
+                amx_expand_q6(f, rec, &prep[b * AMX_PANELS + pp]);
+            else
+                amx_expand_q45(f, rec, &prep[b * AMX_PANELS + pp]);
+        }
+    memset(res, 0, sizeof(float) * rows * AMX_PANELS * 16);
+    int32_t c[2][4][16][16] __attribute__((aligned(64))); /* stored C tiles, two in turn */
+    int have = 0, slot = 0, last_pp = 0;
+    int64_t last_b = 0, last_r = 0, last_count = 0;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t r = 0; r < rows; r += 32) {
+            const int64_t live = rows - r < 32 ? rows - r : 32; /* rows past the call: zeros */
+            const int two = live > 16;
+            const int8_t *a = x->tiles + (b * x->groups + r / 32) * 8192;
+            for (int at = 0; at < 8192; at += 64)
+                _mm_prefetch((const char *)a + 8192 + at, _MM_HINT_T0);
+            for (int pp = 0; pp < count; pp++) {
+                const amx_block *o = &prep[b * AMX_PANELS + pp];
+                _tile_zero(0);
+                _tile_zero(1);
+                if (two) {
+                    _tile_zero(2);
+                    _tile_zero(3);
+                }
+                for (int st = 0; st < 4; st++) {
+                    _tile_loadd(4, a + 2048 * st, 64);
+                    _tile_loadd(6, o->lo[st], 64);
+                    _tile_dpbsud(0, 4, 6);
+                    _tile_loadd(7, o->hi[st], 64);
+                    _tile_dpbsud(1, 4, 7);
+                    if (two) {
+                        _tile_loadd(5, a + 2048 * st + 1024, 64);
+                        _tile_dpbsud(2, 5, 6);
+                        _tile_dpbsud(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, c[slot][0], 64);
+                _tile_stored(1, c[slot][1], 64);
+                if (two) {
+                    _tile_stored(2, c[slot][2], 64);
+                    _tile_stored(3, c[slot][3], 64);
+                }
+                /* the previous product's float work, while the tile unit runs this one */
+                if (have)
+                    amx_update(six, x, &prep[last_b * AMX_PANELS + last_pp], last_b, last_r,
+                               last_count, c[slot ^ 1], res + (last_r * AMX_PANELS + last_pp) * 16,
+                               AMX_PANELS * 16);
+                have = 1;
+                last_b = b, last_pp = pp, last_r = r, last_count = live;
+                slot ^= 1;
+            }
+        }
+    amx_update(six, x, &prep[last_b * AMX_PANELS + last_pp], last_b, last_r, last_count,
+               c[slot ^ 1], res + (last_r * AMX_PANELS + last_pp) * 16, AMX_PANELS * 16);
+    for (int pp = 0; pp < count; pp++) {
+        const int64_t column = (first + pp) * PANEL;
+        const int64_t cols = w->n - column < PANEL ? w->n - column : PANEL;
+        const __mmask16 keep_cols = (__mmask16)((1u << cols) - 1);
+        const vf bias = w->bias ? _mm512_maskz_loadu_ps(keep_cols, w->bias + column) : vf_zero();
+        for (int64_t i = 0; i < rows; i++) {
+            vf value = _mm512_load_ps(res + (i * AMX_PANELS + pp) * 16);
+            if (w->bias) value = vf_add(value, bias);
+            _mm512_mask_storeu_ps(out + i * ldc + column, keep_cols, value);
+        }
+    }
+    return 0;
+}
+
+static int amx_unit(const kvserve_blocks_weight *w, int64_t first, int count, const amx_rows *x,
+                    float *out, int64_t ldc) {
+    return w->format == KVSERVE_BLOCKS_Q6_K ? amx_unit_format(1, w, first, count, x, out, ldc)
+                                            : amx_unit_format(0, w, first, count, x, out, ldc);
+}
+
+static int amx_format(int64_t format) {
+    return format == KVSERVE_BLOCKS_Q4_K || format == KVSERVE_BLOCKS_Q5_K ||
+           format == KVSERVE_BLOCKS_Q6_K;
+}
+
+#else
+#define BLOCKS_AMX 0
+int kvserve_blocks_amx(void) { return 0; }
+#endif
+
+/* Panel `local` of part w for rows [start, stop) in the tiles above, out at the part's first
+ * column. */
+static void panel_tiles(const kvserve_blocks_weight *w, int64_t local, const int8_t *q,
+                        const int8_t *rest, const float *scales, const int32_t *sums, int64_t k,
+                        int64_t start, int64_t stop, float *out, int64_t ldc) {
+    const format_info *f = find_format(w->format);
+    const tile_fn *tiles = tiles_of(w->format);
+    const int64_t records = k / f->values;
+    const uint8_t *data = w->packed + local * records * f->record;
+    const int64_t column = local * PANEL, cols = w->n - column < PANEL ? w->n - column : PANEL;
+    for (int64_t r = start, count; r < stop; r += count) {
+        count = f->values == 256 ? K_ROWS : MR; /* the largest tile that fits the rows left */
+        while (count > stop - r) count /= 2;
+        const int64_t span = NV_FOR(count) * VW; /* columns of one pass */
+        const tile_rows tile = {q + r * k, rest ? rest + r * k : NULL, scales + r * (k / 32),
+                                sums + r * (k / 16), k};
+        for (int64_t at = 0; at < cols; at += span) {
+            const int64_t width = cols - at < span ? cols - at : span;
+            tiles[count](data, records, 4 * at, &tile, w->bias ? w->bias + column + at : NULL,
+                         out + r * ldc + column + at, ldc, width);
+        }
+    }
+}
+
+#if BLOCKS_AMX
+/* The product of the 8-bit form with K-quant parts on the tile unit (the other parts' panels
+ * in the tiles above, all rows a task): 0, or -1 without memory for the call's buffers. */
+static int amx_gemm(const int8_t *q, const float *scales, const int32_t *sums, int64_t rows,
+                    int64_t k, const kvserve_blocks_weight *parts, int64_t num_parts,
+                    const int64_t *first_column, float *out, int64_t ldc, int num_threads) {
+    const int64_t blocks = k / 256, groups = (rows + 31) / 32;
+    int64_t first_unit[num_parts + 1];
+    int q45 = 0, q6 = 0;
+    first_unit[0] = 0;
+    for (int64_t p = 0; p < num_parts; p++) {
+        const int64_t panels = (parts[p].n + PANEL - 1) / PANEL;
+        const int amx = amx_format(parts[p].format);
+        first_unit[p + 1] = first_unit[p] + (amx ? (panels + AMX_PANELS - 1) / AMX_PANELS : panels);
+        q6 |= amx && parts[p].format == KVSERVE_BLOCKS_Q6_K;
+        q45 |= amx && parts[p].format != KVSERVE_BLOCKS_Q6_K;
+    }
+    const int64_t units = first_unit[num_parts], per_form = rows * blocks * 16;
+    int8_t *tiles = amx_scratch(2, (size_t)(blocks * groups * 8192));
+    int32_t *pairs = amx_scratch(3, sizeof(int32_t) * (size_t)(per_form * (q45 + q6)));
+    if (!tiles || !pairs) return -1;
+    int32_t *pairs4 = q45 ? pairs : NULL, *pairs6 = q6 ? pairs + (q45 ? per_form : 0) : NULL;
+    const amx_rows x = {tiles, pairs4, pairs6, scales, rows, k, groups};
+    const int parallel = units > 1 && rows * first_column[num_parts] * k >= (1 << 17);
+    _Pragma("omp parallel if (parallel) num_threads(num_threads)") {
+        _Pragma("omp for schedule(static)")
+        for (int64_t task = 0; task < blocks * groups; task++)
+            amx_copy_tiles(q, rows, k, groups, tiles, task);
+        _Pragma("omp for schedule(static)")
+        for (int64_t row = 0; row < rows; row++)
+            amx_sum_pairs(sums, k, row, pairs4, pairs6);
+        _tile_loadconfig(&AMX_CONFIG);
+        _Pragma("omp for schedule(static)")
+        for (int64_t unit = 0; unit < units; unit++) {
+            int64_t p = 0;
+            while (first_unit[p + 1] <= unit) p++;
+            const kvserve_blocks_weight *w = &parts[p];
+            float *o = out + first_column[p];
+            const int64_t local = unit - first_unit[p];
+            if (!amx_format(w->format)) {
+                panel_tiles(w, local, q, NULL, scales, sums, k, 0, rows, o, ldc);
+                continue;
+            }
+            const int64_t panels = (w->n + PANEL - 1) / PANEL, first = local * AMX_PANELS;
+            const int count = panels - first < AMX_PANELS ? (int)(panels - first) : AMX_PANELS;
+            if (amx_unit(w, first, count, &x, o, ldc) != 0) /* no memory: the tiles above */
+                for (int pp = 0; pp < count; pp++)
+                    panel_tiles(w, first + pp, q, NULL, scales, sums, k, 0, rows, o, ldc);
+        }
+        _tile_release();
+    }
+    return 0;
+}
+#endif
+
 int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales,
                         const int32_t *sums, int64_t rows, int64_t k,
                         const kvserve_blocks_weight *parts, int64_t num_parts, float *out,
@@ -1262,6 +1684,12 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
     if (wide && !rest)
         for (int64_t i = 0; i < rows * (k / 32); i++)
             if (scales[i] != scales[i - i % 8]) return -3;
+#if BLOCKS_AMX
+    if (wide && !rest && rows >= AMX_MIN_ROWS && kvserve_blocks_amx() &&
+        amx_gemm(q, scales, sums, rows, k, parts, num_parts, first_column, out, ldc,
+                 num_threads) == 0)
+        return 0;
+#endif
     const int64_t panels = first_panel[num_parts];
     /* Tasks are (panel, row chunk): with few panels for the threads the rows are cut as well
      * (in whole tiles), so that every thread gets work. */
@@ -1276,30 +1704,15 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
         const int64_t stop = start + chunk < rows ? start + chunk : rows;
         int64_t p = 0;
         while (first_panel[p + 1] <= panel) p++;
-        const kvserve_blocks_weight *w = &parts[p];
-        const format_info *f = find_format(w->format);
-        const tile_fn *tiles = tiles_of(w->format);
-        const int64_t local = panel - first_panel[p], records = k / f->values;
-        const uint8_t *data = w->packed + local * records * f->record;
-        const int64_t column = local * PANEL, cols = w->n - column < PANEL ? w->n - column : PANEL;
-        for (int64_t r = start, count; r < stop; r += count) {
-            count = f->values == 256 ? K_ROWS : MR; /* the largest tile that fits the rows left */
-            while (count > stop - r) count /= 2;
-            const int64_t span = NV_FOR(count) * VW; /* columns of one pass */
-            const tile_rows tile = {q + r * k, rest ? rest + r * k : NULL, scales + r * (k / 32),
-                                    sums + r * (k / 16), k};
-            for (int64_t at = 0; at < cols; at += span) {
-                const int64_t width = cols - at < span ? cols - at : span;
-                float *o = out + r * ldc + first_column[p] + column + at;
-                tiles[count](data, records, 4 * at, &tile, w->bias ? w->bias + column + at : NULL,
-                             o, ldc, width);
-            }
-        }
+        panel_tiles(&parts[p], panel - first_panel[p], q, rest, scales, sums, k, start, stop,
+                    out + first_column[p], ldc);
     }
     return 0;
 }
 
 #else
+
+int kvserve_blocks_amx(void) { return 0; }
 
 int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales,
                         const int32_t *sums, int64_t rows, int64_t k,
