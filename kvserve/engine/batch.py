@@ -122,7 +122,9 @@ class Batch:
                 if rows[chunk.request_id].grammar is not None
             ]
         )
-        meta = self.model.attention.build_metadata(plan.chunks, self.block_size)
+        meta = self.model.attention.build_metadata(
+            plan.chunks, self.block_size, self.kv_cache.kv.dtype
+        )
         layout = _logits_layout(plan, scored or {})
         if layout.custom:
             meta.logits_indices = torch.tensor(

@@ -92,7 +92,7 @@ class DraftProposer:
         """One draft forward over `chunks`: the best token of each sampling chunk's last row."""
         token_ids = [t for chunk in chunks for t in chunk.token_ids]
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device)
-        meta = self.model.attention.build_metadata(chunks, self.block_size)
+        meta = self.model.attention.build_metadata(chunks, self.block_size, self.kv_cache.kv.dtype)
         with torch.inference_mode():
             if self.guess_head is not None:
                 rows = self.model.sampled_rows(ids, meta, self.kv_cache)

@@ -106,10 +106,11 @@ def _run(loaded, speculative):
     return answers, steps, idle, observer, rows
 
 
-@pytest.mark.parametrize("weights", ["loaded_fp32", "loaded_bf16"])
+@pytest.mark.parametrize("weights", ["loaded_fp32", "loaded_bf16", "loaded_int8"])
 def test_answers_are_unchanged_in_a_mixed_batch(weights, request):
-    """float32, and bf16 (with the CPU's bf16 dot product where it has one: a verify chunk's
-    attention rows take a decode row's arithmetic, csrc/paged_attention.c)."""
+    """float32, bf16 (with the CPU's bf16 dot product where it has one: a verify chunk's
+    attention rows take a decode row's arithmetic, csrc/paged_attention.c), and int8 layers on
+    the int8 cache (the default model's default), where a verify chunk's rows are one tile."""
     loaded = request.getfixturevalue(weights)
     plain, plain_steps, _, _, plain_rows = _run(loaded, None)
     spec, spec_steps, idle, drafts, spec_rows = _run(

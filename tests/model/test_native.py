@@ -253,6 +253,34 @@ def test_bf16_verify_chunk_rows_equal_decode_rows(head_dim, heads, kv_heads, gue
     assert (out.float() - alone.float()).abs().max() <= TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.parametrize(
+    "cache_dtype, alone", [(torch.int8, False), (torch.float32, False), (torch.bfloat16, True)]
+)
+def test_a_verify_chunk_keeps_its_tile_where_the_caches_tiles_are_rows_alone(
+    cache_dtype, alone, loaded_fp32
+):
+    """Over an int8 or a float32 cache the kernels compute a tile's rows exactly as rows alone
+    (test_int8_prefill_tiles_match_each_row_alone_and_sdpa, test_float32_rows_are_the_same_
+    alone_in_a_tile_and_in_any_block_size): a verify chunk keeps one table for its rows and reads
+    the cache once for all of them. Over a bf16 cache each verify row gets a table of its own
+    (test_bf16_verify_chunk_rows_equal_decode_rows), and so with no cache dtype said."""
+    from types import SimpleNamespace
+
+    attention = loaded_fp32.model.attention
+    table = (3, 1, 4)
+    chunks = [
+        SimpleNamespace(start=40, num_tokens=5, block_ids=table, samples=True,
+                        draft_token_ids=(7, 8, 9, 10)),
+        SimpleNamespace(start=70, num_tokens=1, block_ids=table, samples=True),
+    ]  # fmt: skip
+    for given in (cache_dtype, None):
+        meta = attention.build_metadata(chunks, 32, given)
+        tables_of_verify_rows = set(meta.row_tables[:5].tolist())
+        expect_alone = alone or given is None
+        assert len(tables_of_verify_rows) == (5 if expect_alone else 1), given
+        assert meta.row_lengths.tolist() == [41, 42, 43, 44, 45, 71]
+
+
 needs_row_product = pytest.mark.skipif(
     not load_kernels().f32_row_product, reason="the float32 row product needs AVX2 and FMA"
 )

@@ -131,9 +131,12 @@ class AttentionBackend(Protocol):
     rope: RopeTables  # the model's (layers with their own RoPE keep theirs in `ropes`)
     ropes: LayerRopes
 
-    def build_metadata(self, chunks: Sequence[ChunkLike], block_size: int):
-        """The step's index tensors (row order = chunk order), on the model's device. Its
-        `logits_indices` ([sampling rows] int64) may be replaced by the caller."""
+    def build_metadata(
+        self, chunks: Sequence[ChunkLike], block_size: int, cache_dtype: torch.dtype | None = None
+    ):
+        """The step's index tensors (row order = chunk order), on the model's device, for a KV
+        cache of `cache_dtype` (None: not said). Its `logits_indices` ([sampling rows] int64)
+        may be replaced by the caller."""
         ...
 
     def check_step(self, meta, kv_cache, num_rows: int) -> None:

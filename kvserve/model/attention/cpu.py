@@ -76,9 +76,19 @@ class CpuPagedAttention:
         self.int8_cache_refusal = int8_cache_refusal(config)
         self.supports_int8_cache = kernels.kv_int8 and self.int8_cache_refusal is None
 
-    def build_metadata(self, chunks: Sequence[ChunkLike], block_size: int) -> CpuAttentionMetadata:
+    def build_metadata(
+        self,
+        chunks: Sequence[ChunkLike],
+        block_size: int,
+        cache_dtype: torch.dtype | None = None,
+    ) -> CpuAttentionMetadata:
         slots, positions, row_tables, tables, logits_rows = flatten_chunks(chunks, block_size)
-        if any(getattr(chunk, "draft_token_ids", ()) for chunk in chunks):
+        # Over an int8 or a float32 cache the kernels compute a tile's rows in the arithmetic of
+        # rows alone (csrc/kv_int8.c, csrc/paged_attention.c): a verify chunk keeps its tile
+        # and reads the cache once for all its rows. Over a bf16 one (or an unknown), each verify
+        # row stands alone.
+        tiles_are_rows = cache_dtype in (torch.int8, torch.float32)
+        if not tiles_are_rows and any(getattr(chunk, "draft_token_ids", ()) for chunk in chunks):
             row_tables, tables = rows_alone_in_verify_chunks(chunks, tables, block_size)
         width = max((len(t) for t in tables), default=1)
         padded = [list(t) + [0] * (width - len(t)) for t in tables]

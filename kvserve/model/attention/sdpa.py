@@ -115,7 +115,10 @@ class TorchPagedAttention:
         self.rope_cos, self.rope_sin = self.layer_tables[0] if self.layer_tables else (None, None)
 
     def build_metadata(
-        self, chunks: Sequence[ChunkLike], block_size: int
+        self,
+        chunks: Sequence[ChunkLike],
+        block_size: int,
+        cache_dtype: torch.dtype | None = None,  # the same metadata for every cache
     ) -> TorchAttentionMetadata:
         device = self.device
         windows = sorted(set(self.windows), key=lambda w: -1 if w is None else w)
