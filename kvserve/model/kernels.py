@@ -227,7 +227,7 @@ class CpuKernels:
         self.kv_int8 = bool(probe("kvserve_kv_int8_available")) and self.has("attention")
         self.q4 = bool(probe("kvserve_q4_available")) and self.has("layer_ops", "attention")
         self.blocks_isa: str | None = ISAS.get(probe("kvserve_blocks_isa"))
-        # the K-quants' 8-bit products of 32 rows and more on AMX-INT8 (KVSERVE_AMX=0: not)
+        # the K-quants' 8-bit products of 16 rows and more on AMX-INT8 (KVSERVE_AMX=0: not)
         self.blocks_amx = bool(probe("kvserve_blocks_amx")) and self.blocks_isa is not None
         if self.has("blocks"):
             self._check_block_formats()
@@ -271,7 +271,7 @@ class CpuKernels:
         if self.f32_row_product:
             paths.append("float32 row product")
         if self.blocks_isa:
-            amx = ", AMX-INT8 from 32 rows" if self.blocks_amx else ""
+            amx = ", AMX-INT8 from 16 rows" if self.blocks_amx else ""
             paths.append(f"GGUF block products by {self.blocks_isa}{amx}")
         paths.append("int8 KV cache" if self.kv_int8 else "no int8 KV cache (needs AVX512-VNNI)")
         paths.append("4-bit blocks" if self.q4 else "no 4-bit blocks (need AVX512-VNNI)")

@@ -557,7 +557,7 @@ def test_the_amx_path_runs_where_the_cpu_has_it_unless_turned_off():
     assert KERNELS.blocks_amx == (
         HAS_AMX and KERNELS.blocks_isa == "AVX512-VNNI" and not turned_off
     )
-    assert ("AMX-INT8 from 32 rows" in KERNELS.describe()) == KERNELS.blocks_amx
+    assert ("AMX-INT8 from 16 rows" in KERNELS.describe()) == KERNELS.blocks_amx
     assert KERNELS.as_dict()["blocks_amx"] == KERNELS.blocks_amx
 
 
@@ -565,7 +565,7 @@ def test_the_amx_path_runs_where_the_cpu_has_it_unless_turned_off():
     not KERNELS.blocks_amx, reason="needs a CPU with AMX-INT8 (and KVSERVE_AMX unset)"
 )
 def test_the_amx_product_gives_the_vector_tiles_floats(tmp_path, monkeypatch):
-    """The K-quants' 8-bit products of 32 rows and more on the tile unit (this process's
+    """The K-quants' 8-bit products of 16 rows and more on the tile unit (this process's
     kernels) equal the vector tiles' (the same source built again, KVSERVE_AMX=0 when it first
     asks), bit for bit: row counts not a multiple of 16 or 32, columns not a multiple of 16,
     biases, fused parts with other formats between them, one and two threads."""
@@ -610,7 +610,7 @@ def test_the_amx_product_gives_the_vector_tiles_floats(tmp_path, monkeypatch):
             fused = BlockLinear(parts)
             x = torch.randn(130, k, generator=generator) * 3
             act = act_blocks(x)
-            for rows in (32, 33, 47, 64, 130):
+            for rows in (16, 17, 31, 32, 33, 47, 64, 130):
                 rows_act = blocks.ActivationBlocks(*(None if t is None else t[:rows] for t in act))
                 for count in (1, 2):
                     torch.set_num_threads(count)

@@ -41,7 +41,7 @@ typedef struct {
  * kvserve_blocks_gemm does nothing and returns -2; the packing and quantizers still work). */
 int kvserve_blocks_isa(void);
 
-/* 1 when kvserve_blocks_gemm takes the K-quant parts of 8-bit products of 32 rows and more on
+/* 1 when kvserve_blocks_gemm takes the K-quant parts of 8-bit products of 16 rows and more on
  * the AMX-INT8 tile unit (the same float32 results, bit for bit): built with AMX-INT8 (kernel_build
  * adds it where the CPU has it), the kernel grants the tile state, and the environment variable
  * KVSERVE_AMX is not "0" (read once per process: KVSERVE_AMX=0 keeps every product on the vector

@@ -1253,35 +1253,41 @@ static const tile_fn *tiles_of(int64_t format) {
  * these is missing, takes the tiles above.
  *
  * Per panel of 16 columns and super-block of 256 inputs, the weights are expanded once for all
- * the rows of the call to w_j = u_j * sc_g (Q4_K <= 15 * 63, Q5_K <= 31 * 63; Q6_K
- * u_j * sc_g + 8192, in 128..16193), two unsigned bytes lo, hi in the tile unit's layout of B
- * ([64 inputs / 4][16 columns][4]). Then per row, exactly in int32 (vpdpbsud's signed
- * activations times unsigned bytes),
+ * the rows of the call to the int16 w_j = u_j * sc_g (Q4_K <= 15 * 63, Q5_K <= 31 * 63; Q6_K
+ * (u_j - 32) * sc_g, in -4064..4096): vpmullw of the even and of the odd bytes u by the
+ * scales, then vpermt2b takes each product's lo byte (unsigned) and hi byte (signed) to its
+ * place in the tile unit's layout of B ([64 inputs / 4][16 columns][4]). Then per row, exactly
+ * in int32 (signed activations times the unsigned lo bytes, vpdpbsud, and the signed hi bytes,
+ * vpdpbssd),
  *
- *   A = sum_j w_j p_j = C_lo + 256 C_hi        (Q6_K: less 8192 P, P the super-block's sum)
+ *   A = sum_j w_j p_j = C_lo + 256 C_hi
  *
- * the same A = sum_g sc_g S_g as the tiles above compute, and the offsets' B = sum_g m_g P_g
- * (Q6_K: sum_g sc_g P_g) by vpdpwssd from the activation sums as there. The float update per
- * row, column and super-block is the tiles' one (res = fma(cvt(A), D * e, res'), in the order
- * of the super-blocks, the bias added last), so both paths give the same float32 results, bit
- * for bit, and a row's result still depends on nothing but the row.
+ * the same A = sum_g sc_g S_g (Q6_K: less 32 sum_g sc_g P_g) as the tiles above compute, and
+ * for Q4_K, Q5_K the offsets' B = sum_g m_g P_g by vpdpwssd from the activation sums as there.
+ * The float update per row, column and super-block is the tiles' one (res = fma(cvt(A),
+ * D * e, res'), in the order of the super-blocks, the bias added last), so both paths give the
+ * same float32 results, bit for bit, and a row's result still depends on nothing but the row.
  *
  * Work: a unit is up to AMX_PANELS panels of one part with all the rows; the threads split
- * the units (the tiles above take the other parts' panels as units of their own). A thread
- * expands its unit's weights into its own buffer (AMX_PANELS * k / 256 * 8.6 KB: 1.2 MB for
- * k = 8960) and then, super-block by super-block, multiplies each group of 32 rows (two A
- * tiles, their 8 KB of activations shared by the unit's panels) with each panel's B tiles
- * (8 KB, in L1 across the row groups); the float work of one product overlaps the tile
- * unit's next. The activations are first copied, by all threads, into the tiles' order
- * ([super-block][32 rows][4][64]; rows past the call's are zeros) with their sums' pairs.
- * Buffers are per thread and grow only (kept for the thread's life): a decode step's
- * products allocate nothing after the first.
+ * the units (the tiles above take the other parts' panels as units of their own). Super-block
+ * by super-block, a thread multiplies each group of 32 rows (two A tiles, their 8 KB of
+ * activations shared by the unit's panels) with each panel's B tiles (8 KB, in L1 across the
+ * row groups). While the tile unit runs one product, the core does the previous product's
+ * float work and, after the last row group, expands that panel's next super-block into the
+ * other half of a two-super-block buffer (2 * AMX_PANELS * 8.4 KB a thread), prefetching the
+ * record after it (or the next unit's first) to L2 a line at a time as it goes: the weights
+ * stream from memory one record ahead of their expansion. The activations are first copied,
+ * by all threads, into the tiles' order ([super-block][32 rows][4][64]; rows past the call's
+ * are zeros) with their sums' pairs. Buffers are per thread and grow only (kept for the
+ * thread's life): a decode step's products allocate nothing after the first.
  *
  * Measured on the Sapphire Rapids machine (kvserve/bench/blocks_bench.py: a decode step's
  * products of the 1.5B, 28 layers, 2 threads; KVSERVE_AMX=0 and unset in turn, 2 rounds each):
- * 32 rows 186-190 -> 159-161 ms, 128 rows 652 -> 355 ms, 512 rows 2866-2904 -> 1532-1550 ms;
- * 1 and 8 rows unchanged (the tiles above). With the tile unit taking them, 16 rows went from
- * 112-116 to 140-142 ms and 24 rows stayed at 151-154 ms: hence AMX_MIN_ROWS.
+ * 32 rows 196-197 -> 109-115 ms, 64 rows 327-337 -> 156-172 ms, 128 rows 669-705 ->
+ * 270-274 ms, 512 rows 1320-1328 ms (int8_gemm on the same shapes: 152-161, 217-242, 353-368,
+ * 1542-1606 ms); 1 and 8 rows unchanged (the tiles above). With AMX_MIN_ROWS at 8, the tile
+ * unit took 8 rows in 85 ms (the tiles above 89), 12 in 85 (106), 16 in 91-93 (111-117) and
+ * 24 in 105 (141-160): it takes 16 rows and more.
  */
 #if BLOCKS_ISA == 3 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define BLOCKS_AMX 1
@@ -1290,7 +1296,7 @@ static const tile_fn *tiles_of(int64_t format) {
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX_MIN_ROWS 32 /* rows of a call from which on the tile unit takes its K-quants */
+#define AMX_MIN_ROWS 16 /* rows of a call from which on the tile unit takes its K-quants */
 #define AMX_PANELS 4    /* panels of a unit: they share each pass over the activations */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -1340,7 +1346,7 @@ static void *amx_scratch(int slot, size_t bytes) {
 typedef struct __attribute__((aligned(64))) {
     uint8_t lo[4][16][64], hi[4][16][64]; /* B tiles per 64 inputs: [input / 4][column][4] */
     float d[16], dmin[16];                /* Q6_K: d only */
-    int16_t pairs[8][32]; /* B's multipliers: (m_2t, m_2t+1) per column, t < 4 (Q6_K: sc, t < 8) */
+    int16_t pairs[4][32]; /* B's multipliers (Q4_K, Q5_K): (m_2t, m_2t+1) per column, t < 4 */
 } amx_block;
 
 /* bytes a[c], b[c] of 16 columns as int16 pairs, stored */
@@ -1348,14 +1354,33 @@ ALWAYS void amx_store_pairs(int16_t *to, const uint8_t *a, int sign) {
     _mm512_store_si512((void *)to, vi_pairs(a, a + 16, sign));
 }
 
-/* lo and hi bytes of the int16 products u * sc (+ offset) of a 64-byte vector of nibbles:
- * even and odd bytes apart, so each product keeps its column and input */
-ALWAYS void amx_split(vi u, vi sc, vi offset, uint8_t *lo, uint8_t *hi) {
-    const vi low = _mm512_set1_epi16(0x00FF), high = _mm512_set1_epi16((short)0xFF00);
-    const vi even = _mm512_add_epi16(_mm512_mullo_epi16(vi_and(u, low), sc), offset);
+/* vpermt2b's picks of the lo and hi bytes from the even and the odd products (below) */
+static const uint8_t AMX_TAKE[2][64] __attribute__((aligned(64))) = {
+#define AMX_PICK(b, hi) ((b) % 2 ? 64 + (b) - 1 + (hi) : (b) + (hi))
+#define AMX_PICK8(b, hi)                                                                           \
+    AMX_PICK(b, hi), AMX_PICK(b + 1, hi), AMX_PICK(b + 2, hi), AMX_PICK(b + 3, hi),                \
+        AMX_PICK(b + 4, hi), AMX_PICK(b + 5, hi), AMX_PICK(b + 6, hi), AMX_PICK(b + 7, hi)
+#define AMX_PICK64(hi)                                                                             \
+    AMX_PICK8(0, hi), AMX_PICK8(8, hi), AMX_PICK8(16, hi), AMX_PICK8(24, hi), AMX_PICK8(32, hi),   \
+        AMX_PICK8(40, hi), AMX_PICK8(48, hi), AMX_PICK8(56, hi)
+    {AMX_PICK64(0)},
+    {AMX_PICK64(1)},
+#undef AMX_PICK64
+#undef AMX_PICK8
+#undef AMX_PICK
+};
+
+/* The int16 products w = u * sc + offset of a 64-byte vector of unsigned bytes u (vpmullw of
+ * the even and of the odd bytes by the scales sc, both int16 halves of each lane), each as its
+ * lo byte (w & 255, unsigned) and hi byte (w >> 8, signed) at its column and input
+ * (vpermt2b). */
+ALWAYS void amx_split(vi u, vi sc, vi offset, vi take_lo, vi take_hi, uint8_t *lo,
+                      uint8_t *hi) {
+    const vi even = _mm512_add_epi16(
+        _mm512_mullo_epi16(vi_and(u, _mm512_set1_epi16(0x00FF)), sc), offset);
     const vi odd = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_srli_epi16(u, 8), sc), offset);
-    _mm512_store_si512((void *)lo, vi_or(vi_and(even, low), _mm512_slli_epi16(odd, 8)));
-    _mm512_store_si512((void *)hi, vi_or(_mm512_srli_epi16(even, 8), vi_and(odd, high)));
+    _mm512_store_si512((void *)lo, _mm512_permutex2var_epi8(even, take_lo, odd));
+    _mm512_store_si512((void *)hi, _mm512_permutex2var_epi8(even, take_hi, odd));
 }
 
 /* The scales of 16 columns in both int16 halves of each lane (sign: Q6_K's int8 scales). */
@@ -1364,19 +1389,36 @@ ALWAYS vi amx_scale16(const uint8_t *p, int sign) {
     return vi_or(vi_and(x, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(x, 16));
 }
 
-/* Q4_K, Q5_K: sub-block j's 32 inputs are rows (j % 2) * 8 + step of B tile j / 2. */
-static void amx_expand_q45(const format_info *f, const uint8_t *rec, amx_block *o) {
+/* Prefetches (to L2) of the record `ahead` (NULL: none), spread over an expansion: with each
+ * line of nibbles read (at), the same line of `ahead`, and with sub-block j's first, 3 of its
+ * lines past the nibbles (high bits, floats, scales). */
+ALWAYS void amx_ahead(const format_info *f, const uint8_t *ahead, int j, int64_t at) {
+    if (!ahead) return;
+    _mm_prefetch((const char *)ahead + at, _MM_HINT_T1);
+    if (at % 256 == 0)
+        for (int64_t line = 2048 + 192 * j; line < 2048 + 192 * j + 192; line += 64)
+            if (line < f->record) _mm_prefetch((const char *)ahead + line, _MM_HINT_T1);
+}
+
+/* Q4_K, Q5_K: sub-block j's 32 inputs are rows (j % 2) * 8 + step of B tile j / 2;
+ * w = u sc_j (<= 31 * 63). */
+static void amx_expand_q45(const format_info *f, const uint8_t *rec, const uint8_t *ahead,
+                           amx_block *o) {
     const vi low4 = vi_bytes(0x0F), bit4 = vi_bytes(0x10), zero = vi_zero();
+    const vi take_lo = _mm512_load_si512((const void *)AMX_TAKE[0]);
+    const vi take_hi = _mm512_load_si512((const void *)AMX_TAKE[1]);
     for (int j = 0; j < 8; j++) {
         const vi sc = amx_scale16(rec + f->sc + 16 * j, 0);
         const vi high = f->high >= 0 ? vi_load(rec + f->high + 64 * j) : zero;
         for (int h = 0; h < 4; h++) {
+            amx_ahead(f, ahead, j, 256 * j + 64 * h);
             const vi w = vi_load(rec + 256 * j + 64 * h);
             for (int half = 0; half < 2; half++) {
                 vi u = vi_and(half ? vi_srl16(w, 4) : w, low4);
                 if (f->high >= 0) u = vi_or(u, vi_and(to_bit4(high, 2 * h + half), bit4));
                 const int row = (j % 2) * 8 + 2 * h + half;
-                amx_split(u, sc, zero, o->lo[j / 2][row], o->hi[j / 2][row]);
+                amx_split(u, sc, zero, take_lo, take_hi, o->lo[j / 2][row],
+                          o->hi[j / 2][row]);
             }
         }
     }
@@ -1385,34 +1427,49 @@ static void amx_expand_q45(const format_info *f, const uint8_t *rec, amx_block *
     for (int t = 0; t < 4; t++) amx_store_pairs(o->pairs[t], rec + f->mn + 32 * t, 0);
 }
 
-/* Q6_K: sub-blocks of 16 (scales sc_2j, sc_2j+1 over the halves of the 32), w = u sc + 8192. */
-static void amx_expand_q6(const format_info *f, const uint8_t *rec, amx_block *o) {
-    const vi low4 = vi_bytes(0x0F), bits45 = vi_bytes(0x30), offset = _mm512_set1_epi16(8192);
+/* Q6_K: sub-blocks of 16 (scales sc_2j, sc_2j+1 over the halves of the 32),
+ * w = (u - 32) sc = u sc - 32 sc, in -4064..4096. */
+static void amx_expand_q6(const format_info *f, const uint8_t *rec, const uint8_t *ahead,
+                          amx_block *o) {
+    const vi low4 = vi_bytes(0x0F), bits45 = vi_bytes(0x30);
+    const vi take_lo = _mm512_load_si512((const void *)AMX_TAKE[0]);
+    const vi take_hi = _mm512_load_si512((const void *)AMX_TAKE[1]);
     for (int j = 0; j < 8; j++)
         for (int v = 0; v < 2; v++) {
-            const vi sc = amx_scale16(rec + f->sc + 16 * (2 * j + v), 1);
+            const uint8_t *at = rec + f->sc + 16 * (2 * j + v);
+            const vi sc = amx_scale16(at, 1);
+            const vi offset = _mm512_mullo_epi16(sc, _mm512_set1_epi16(-32)); /* -32 sc */
             const vi high = vi_load(rec + f->high + 128 * j + 64 * v);
             for (int h = 2 * v; h < 2 * v + 2; h++) {
+                amx_ahead(f, ahead, j, 256 * j + 64 * h);
                 const vi w = vi_load(rec + 256 * j + 64 * h);
                 for (int half = 0; half < 2; half++) {
                     const int step = 2 * h + half; /* pair step % 4 of the high byte */
                     vi u = vi_and(half ? vi_srl16(w, 4) : w, low4);
                     u = vi_or(u, vi_and(to_bit4(high, 2 * (step % 4)), bits45));
                     const int row = (j % 2) * 8 + step;
-                    amx_split(u, sc, offset, o->lo[j / 2][row], o->hi[j / 2][row]);
+                    amx_split(u, sc, offset, take_lo, take_hi, o->lo[j / 2][row],
+                              o->hi[j / 2][row]);
                 }
             }
         }
     _mm512_store_ps(o->d, vf_half(rec + f->d));
-    for (int t = 0; t < 8; t++) amx_store_pairs(o->pairs[t], rec + f->sc + 32 * t, 1);
+}
+
+/* record rec expanded into o, the record `ahead` (NULL: none) prefetched meanwhile */
+ALWAYS void amx_expand(const int six, const format_info *f, const uint8_t *rec,
+                       const uint8_t *ahead, amx_block *o) {
+    if (six)
+        amx_expand_q6(f, rec, ahead, o);
+    else
+        amx_expand_q45(f, rec, ahead, o);
 }
 
 /* The activations as the tile unit reads them, and per row and super-block the pairs of sums
- * the offsets take: Q4_K, Q5_K (P_2t, P_2t+1) over 32s, t < 4; Q6_K (P_2t, P_2t+1) over 16s,
- * t < 8, and slot 8 the super-block's sum. */
+ * Q4_K's and Q5_K's offsets take: (P_2t, P_2t+1) over 32s, t < 4. */
 typedef struct {
-    const int8_t *tiles; /* [k / 256][groups of 32 rows][4][32][64] */
-    const int32_t *pairs4, *pairs6; /* [rows][k / 256][16], NULL where no part needs them */
+    const int8_t *tiles;   /* [k / 256][groups of 32 rows][4][32][64] */
+    const int32_t *pairs4; /* [rows][k / 256][4], NULL where no part needs them */
     const float *e;
     int64_t rows, k, groups;
 } amx_rows;
@@ -1434,23 +1491,12 @@ static inline int32_t pair16(int32_t a, int32_t b) {
     return (int32_t)((uint32_t)(uint16_t)a | ((uint32_t)(uint16_t)b << 16));
 }
 
-static void amx_sum_pairs(const int32_t *sums, int64_t k, int64_t row, int32_t *pairs4,
-                          int32_t *pairs6) {
+static void amx_sum_pairs(const int32_t *sums, int64_t k, int64_t row, int32_t *pairs4) {
     for (int64_t b = 0; b < k / 256; b++) {
         const int32_t *s = sums + row * (k / 16) + 16 * b;
-        if (pairs4) {
-            int32_t *o = pairs4 + (row * (k / 256) + b) * 16;
-            for (int t = 0; t < 4; t++)
-                o[t] = pair16(s[4 * t] + s[4 * t + 1], s[4 * t + 2] + s[4 * t + 3]);
-        }
-        if (pairs6) {
-            int32_t *o = pairs6 + (row * (k / 256) + b) * 16, total = 0;
-            for (int t = 0; t < 8; t++) {
-                o[t] = pair16(s[2 * t], s[2 * t + 1]);
-                total += s[2 * t] + s[2 * t + 1];
-            }
-            o[8] = total;
-        }
+        int32_t *o = pairs4 + (row * (k / 256) + b) * 4;
+        for (int t = 0; t < 4; t++)
+            o[t] = pair16(s[4 * t] + s[4 * t + 1], s[4 * t + 2] + s[4 * t + 3]);
     }
 }
 
@@ -1461,24 +1507,22 @@ ALWAYS void amx_update(const int six, const amx_rows *x, const amx_block *o, int
                        int64_t stride) {
     const int64_t blocks = x->k / 256;
     const vf d = _mm512_load_ps(o->d), dmin = six ? vf_zero() : _mm512_load_ps(o->dmin);
-    const int pairs = six ? 8 : 4;
-    vi m[8];
-    for (int t = 0; t < pairs; t++) m[t] = _mm512_load_si512((const void *)o->pairs[t]);
+    vi m[4];
+    for (int t = 0; t < 4; t++)
+        m[t] = six ? vi_zero() : _mm512_load_si512((const void *)o->pairs[t]);
     for (int64_t i = 0; i < count; i++) {
-        const int32_t *p = (six ? x->pairs6 : x->pairs4) + ((r + i) * blocks + b) * 16;
         const int tile = (int)(i >> 4) * 2, at = (int)(i & 15);
-        vi a = vi_add32(_mm512_load_si512((const void *)c[tile][at]),
-                        vi_sll32(_mm512_load_si512((const void *)c[tile + 1][at]), 8));
-        vi off = vi_zero();
-        for (int t = 0; t < pairs; t++) off = vi_add_pairs(off, m[t], vi_set32(p[t]));
+        const vi a = vi_add32(_mm512_load_si512((const void *)c[tile][at]),
+                              vi_sll32(_mm512_load_si512((const void *)c[tile + 1][at]), 8));
         const vf ev = vf_set(x->e[(r + i) * (x->k / 32) + 8 * b]);
         float *out = res + i * stride;
         const vf before = _mm512_load_ps(out);
         if (six) {
-            a = vi_sub32(a, vi_set32(8192 * p[8]));
-            const vi total = vi_sub32(a, vi_sll32(off, 5));
-            _mm512_store_ps(out, vf_fma(vf_cvt(total), vf_mul(d, ev), before));
+            _mm512_store_ps(out, vf_fma(vf_cvt(a), vf_mul(d, ev), before));
         } else {
+            const int32_t *p = x->pairs4 + ((r + i) * blocks + b) * 4;
+            vi off = vi_zero();
+            for (int t = 0; t < 4; t++) off = vi_add_pairs(off, m[t], vi_set32(p[t]));
             const vf base = vf_fnma(vf_cvt(off), vf_mul(dmin, ev), before);
             _mm512_store_ps(out, vf_fma(vf_cvt(a), vf_mul(d, ev), base));
         }
@@ -1493,31 +1537,29 @@ ALWAYS void amx_update(const int six, const amx_rows *x, const amx_block *o, int
 ALWAYS int amx_unit_format(const int six, const kvserve_blocks_weight *w, int64_t first,
                            int count, const amx_rows *x, float *out, int64_t ldc) {
     const format_info *f = find_format(w->format);
-    const int64_t blocks = x->k / 256, rows = x->rows;
-    amx_block *prep = amx_scratch(0, sizeof(amx_block) * AMX_PANELS * blocks);
+    const int64_t blocks = x->k / 256, rows = x->rows, panels = (w->n + PANEL - 1) / PANEL;
+    /* two super-blocks' expanded panels: this one's and the next one's */
+    amx_block *prep = amx_scratch(0, sizeof(amx_block) * 2 * AMX_PANELS);
     float *res = amx_scratch(1, sizeof(float) * rows * AMX_PANELS * 16);
     if (!prep || !res) return -1;
-    for (int pp = 0; pp < count; pp++)
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *rec = w->packed + ((first + pp) * blocks + b) * f->record;
-            if (six)
-                amx_expand_q6(f, rec, &prep[b * AMX_PANELS + pp]);
-            else
-                amx_expand_q45(f, rec, &prep[b * AMX_PANELS + pp]);
-        }
+    for (int pp = 0; pp < count; pp++) {
+        const uint8_t *rec = w->packed + (first + pp) * blocks * f->record;
+        amx_expand(six, f, rec, blocks > 1 ? rec + f->record : NULL, &prep[pp]);
+    }
     memset(res, 0, sizeof(float) * rows * AMX_PANELS * 16);
     int32_t c[2][4][16][16] __attribute__((aligned(64))); /* stored C tiles, two in turn */
-    int have = 0, slot = 0, last_pp = 0;
+    int have = 0, slot = 0;
+    const amx_block *last_o = prep;
     int64_t last_b = 0, last_r = 0, last_count = 0;
-    for (int64_t b = 0; b < blocks; b++)
+    float *last_res = res;
+    for (int64_t b = 0; b < blocks; b++) {
+        amx_block *now = prep + (b & 1) * AMX_PANELS, *next = prep + ((b + 1) & 1) * AMX_PANELS;
         for (int64_t r = 0; r < rows; r += 32) {
             const int64_t live = rows - r < 32 ? rows - r : 32; /* rows past the call: zeros */
-            const int two = live > 16;
+            const int two = live > 16, expand = r + 32 >= rows && b + 1 < blocks;
             const int8_t *a = x->tiles + (b * x->groups + r / 32) * 8192;
-            for (int at = 0; at < 8192; at += 64)
-                _mm_prefetch((const char *)a + 8192 + at, _MM_HINT_T0);
             for (int pp = 0; pp < count; pp++) {
-                const amx_block *o = &prep[b * AMX_PANELS + pp];
+                const amx_block *o = &now[pp];
                 _tile_zero(0);
                 _tile_zero(1);
                 if (two) {
@@ -1529,12 +1571,26 @@ ALWAYS int amx_unit_format(const int six, const kvserve_blocks_weight *w, int64_
                     _tile_loadd(6, o->lo[st], 64);
                     _tile_dpbsud(0, 4, 6);
                     _tile_loadd(7, o->hi[st], 64);
-                    _tile_dpbsud(1, 4, 7);
+                    _tile_dpbssd(1, 4, 7);
                     if (two) {
                         _tile_loadd(5, a + 2048 * st + 1024, 64);
                         _tile_dpbsud(2, 5, 6);
-                        _tile_dpbsud(3, 5, 7);
+                        _tile_dpbssd(3, 5, 7);
                     }
+                }
+                /* while the tile unit runs this product: the previous one's float work, and
+                 * after the last row group the next super-block's expansion of this panel */
+                if (have)
+                    amx_update(six, x, last_o, last_b, last_r, last_count, c[slot ^ 1],
+                               last_res, AMX_PANELS * 16);
+                if (expand) {
+                    const uint8_t *rec = w->packed + ((first + pp) * blocks + b + 1) * f->record;
+                    /* ahead: the panel's next record, else the first of the next unit's */
+                    const int64_t after = first + count + pp;
+                    const uint8_t *ahead = b + 2 < blocks ? rec + f->record
+                                           : after < panels ? w->packed + after * blocks * f->record
+                                                            : NULL;
+                    amx_expand(six, f, rec, ahead, &next[pp]);
                 }
                 _tile_stored(0, c[slot][0], 64);
                 _tile_stored(1, c[slot][1], 64);
@@ -1542,18 +1598,15 @@ ALWAYS int amx_unit_format(const int six, const kvserve_blocks_weight *w, int64_
                     _tile_stored(2, c[slot][2], 64);
                     _tile_stored(3, c[slot][3], 64);
                 }
-                /* the previous product's float work, while the tile unit runs this one */
-                if (have)
-                    amx_update(six, x, &prep[last_b * AMX_PANELS + last_pp], last_b, last_r,
-                               last_count, c[slot ^ 1], res + (last_r * AMX_PANELS + last_pp) * 16,
-                               AMX_PANELS * 16);
                 have = 1;
-                last_b = b, last_pp = pp, last_r = r, last_count = live;
+                last_o = o, last_b = b, last_r = r, last_count = live;
+                last_res = res + (r * AMX_PANELS + pp) * 16;
                 slot ^= 1;
             }
         }
-    amx_update(six, x, &prep[last_b * AMX_PANELS + last_pp], last_b, last_r, last_count,
-               c[slot ^ 1], res + (last_r * AMX_PANELS + last_pp) * 16, AMX_PANELS * 16);
+    }
+    amx_update(six, x, last_o, last_b, last_r, last_count, c[slot ^ 1], last_res,
+               AMX_PANELS * 16);
     for (int pp = 0; pp < count; pp++) {
         const int64_t column = (first + pp) * PANEL;
         const int64_t cols = w->n - column < PANEL ? w->n - column : PANEL;
@@ -1616,29 +1669,29 @@ static int amx_gemm(const int8_t *q, const float *scales, const int32_t *sums, i
                     const int64_t *first_column, float *out, int64_t ldc, int num_threads) {
     const int64_t blocks = k / 256, groups = (rows + 31) / 32;
     int64_t first_unit[num_parts + 1];
-    int q45 = 0, q6 = 0;
+    int q45 = 0;
     first_unit[0] = 0;
     for (int64_t p = 0; p < num_parts; p++) {
         const int64_t panels = (parts[p].n + PANEL - 1) / PANEL;
         const int amx = amx_format(parts[p].format);
         first_unit[p + 1] = first_unit[p] + (amx ? (panels + AMX_PANELS - 1) / AMX_PANELS : panels);
-        q6 |= amx && parts[p].format == KVSERVE_BLOCKS_Q6_K;
         q45 |= amx && parts[p].format != KVSERVE_BLOCKS_Q6_K;
     }
-    const int64_t units = first_unit[num_parts], per_form = rows * blocks * 16;
+    const int64_t units = first_unit[num_parts];
     int8_t *tiles = amx_scratch(2, (size_t)(blocks * groups * 8192));
-    int32_t *pairs = amx_scratch(3, sizeof(int32_t) * (size_t)(per_form * (q45 + q6)));
-    if (!tiles || !pairs) return -1;
-    int32_t *pairs4 = q45 ? pairs : NULL, *pairs6 = q6 ? pairs + (q45 ? per_form : 0) : NULL;
-    const amx_rows x = {tiles, pairs4, pairs6, scales, rows, k, groups};
+    int32_t *pairs4 = q45 ? amx_scratch(3, sizeof(int32_t) * (size_t)(rows * blocks * 4)) : NULL;
+    if (!tiles || (q45 && !pairs4)) return -1;
+    const amx_rows x = {tiles, pairs4, scales, rows, k, groups};
     const int parallel = units > 1 && rows * first_column[num_parts] * k >= (1 << 17);
     _Pragma("omp parallel if (parallel) num_threads(num_threads)") {
         _Pragma("omp for schedule(static)")
         for (int64_t task = 0; task < blocks * groups; task++)
             amx_copy_tiles(q, rows, k, groups, tiles, task);
-        _Pragma("omp for schedule(static)")
-        for (int64_t row = 0; row < rows; row++)
-            amx_sum_pairs(sums, k, row, pairs4, pairs6);
+        if (pairs4) {
+            _Pragma("omp for schedule(static)")
+            for (int64_t row = 0; row < rows; row++)
+                amx_sum_pairs(sums, k, row, pairs4);
+        }
         _tile_loadconfig(&AMX_CONFIG);
         _Pragma("omp for schedule(static)")
         for (int64_t unit = 0; unit < units; unit++) {
