@@ -1247,9 +1247,9 @@ static const tile_fn *tiles_of(int64_t format) {
 
 /*
  * From AMX_MIN_ROWS rows on, the K-quants' 8-bit form (one scale per 256) goes through
- * Sapphire Rapids' tile unit (AMX-INT8) where the build and the CPU have it, the kernel grants
- * the tile state (arch_prctl, asked once per process), and KVSERVE_AMX is not "0" in the
- * environment (read once: kvserve_blocks_amx). Everything else, and every call when any of
+ * Sapphire Rapids' tile unit (AMX-INT8, with AVX512-VBMI's byte permutes) where the build and
+ * the CPU have them, the kernel grants the tile state (arch_prctl, asked once per process), and
+ * KVSERVE_AMX is not "0" in the environment (read once: kvserve_blocks_amx). Everything else, and every call when any of
  * these is missing, takes the tiles above.
  *
  * Per panel of 16 columns and super-block of 256 inputs, the weights are expanded once for all
@@ -1289,7 +1289,7 @@ static const tile_fn *tiles_of(int64_t format) {
  * unit took 8 rows in 85 ms (the tiles above 89), 12 in 85 (106), 16 in 91-93 (111-117) and
  * 24 in 105 (141-160): it takes 16 rows and more.
  */
-#if BLOCKS_ISA == 3 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if BLOCKS_ISA == 3 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VBMI__)
 #define BLOCKS_AMX 1
 #include <pthread.h>
 #include <stdlib.h>
