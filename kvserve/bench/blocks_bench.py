@@ -171,10 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     products = model_products(args.layers)
     block_bytes, int8_bytes = weight_bytes(products)
     bandwidth = measure_bandwidth()
-    kernels = load_kernels()
-    amx = ", AMX-INT8 from 16 rows" if kernels.blocks_amx else ""
     print(
-        f"instructions: {kernels.blocks_isa}{amx}, threads: {torch.get_num_threads()}, "
+        f"instructions: {load_kernels().blocks_path}, threads: {torch.get_num_threads()}, "
         f"weights: {block_bytes / 1e9:.2f} GB blocks, {int8_bytes / 1e9:.2f} GB int8, "
         f"read bandwidth {bandwidth / 1e9:.1f} GB/s"
     )

@@ -404,12 +404,17 @@ def cpu_vendor() -> str:
 AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
 
 
+def cpu_has_amx() -> bool:
+    """Whether /proc/cpuinfo lists the AMX-INT8 tile unit (amx_tile and amx_int8)."""
+    return {"amx_tile", "amx_int8"} <= cpu_flags()
+
+
 def compile_flags() -> tuple[str, ...]:
     """FLAGS and what this CPU asks of the sources: on AMD's cores the block product prefetches
     its weight stream as non-temporal (csrc/blocks_gemm.c says what each vendor's cores
     measured); where /proc/cpuinfo lists amx_tile and amx_int8, the AMX-INT8 instructions."""
     flags = FLAGS + (("-DKVSERVE_PREFETCH_NTA",) if cpu_vendor() == "AuthenticAMD" else ())
-    if {"amx_tile", "amx_int8"} <= cpu_flags():
+    if cpu_has_amx():
         flags += AMX_FLAGS
     return flags
 

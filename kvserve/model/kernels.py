@@ -195,8 +195,8 @@ class CpuKernels:
     Capabilities (plain fields, fixed at load): `families` (the names built), `failures`
     (family -> why not), `cpu_extensions` (the vector instructions this CPU has, of those the
     kernels use), `int8_gemm_isa` ("AVX512-VNNI" | "AVX2" | None), `f32_row_product`, `kv_int8`,
-    `q4` and `blocks_amx` (booleans: that path runs on this CPU), `directory` (where the objects
-    are cached).
+    `q4` (booleans: that path runs on this CPU), `blocks_amx_rows` (the rows from which on the
+    block products take AMX-INT8, 0: never), `directory` (where the objects are cached).
     """
 
     def __init__(
@@ -227,8 +227,9 @@ class CpuKernels:
         self.kv_int8 = bool(probe("kvserve_kv_int8_available")) and self.has("attention")
         self.q4 = bool(probe("kvserve_q4_available")) and self.has("layer_ops", "attention")
         self.blocks_isa: str | None = ISAS.get(probe("kvserve_blocks_isa"))
-        # the K-quants' 8-bit products of 16 rows and more on AMX-INT8 (KVSERVE_AMX=0: not)
-        self.blocks_amx = bool(probe("kvserve_blocks_amx")) and self.blocks_isa is not None
+        # the rows from which on the K-quants' 8-bit products run on AMX-INT8 (0: never, as
+        # with KVSERVE_AMX=0)
+        self.blocks_amx_rows = probe("kvserve_blocks_amx") if self.blocks_isa is not None else 0
         if self.has("blocks"):
             self._check_block_formats()
 
@@ -259,6 +260,19 @@ class CpuKernels:
         """Whether the float path's kernels (layer ops and paged attention) were built."""
         return self.has("layer_ops", "attention")
 
+    @property
+    def blocks_amx(self) -> bool:
+        """Whether the block products take the AMX-INT8 tile unit for many rows."""
+        return self.blocks_amx_rows > 0
+
+    @property
+    def blocks_path(self) -> str | None:
+        """How the GGUF block products run, e.g. "AVX512-VNNI, AMX-INT8 from 16 rows"."""
+        if self.blocks_isa is None:
+            return None
+        amx = f", AMX-INT8 from {self.blocks_amx_rows} rows" if self.blocks_amx else ""
+        return f"{self.blocks_isa}{amx}"
+
     def describe(self) -> str:
         """One line for the banner and /ready: what was built, for which instructions."""
         if not self.families:
@@ -271,8 +285,7 @@ class CpuKernels:
         if self.f32_row_product:
             paths.append("float32 row product")
         if self.blocks_isa:
-            amx = ", AMX-INT8 from 16 rows" if self.blocks_amx else ""
-            paths.append(f"GGUF block products by {self.blocks_isa}{amx}")
+            paths.append(f"GGUF block products by {self.blocks_path}")
         paths.append("int8 KV cache" if self.kv_int8 else "no int8 KV cache (needs AVX512-VNNI)")
         paths.append("4-bit blocks" if self.q4 else "no 4-bit blocks (need AVX512-VNNI)")
         line = f"CPU kernels for {isa}: {', '.join(self.families)}; {', '.join(paths)}"

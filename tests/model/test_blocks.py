@@ -547,12 +547,12 @@ def test_the_avx2_product_gives_this_machines_floats(tmp_path):
 
 # -- AMX-INT8 -------------------------------------------------------------------------------------
 
-HAS_AMX = {"amx_tile", "amx_int8"} <= kernel_build.cpu_flags()
+HAS_AMX = kernel_build.cpu_has_amx()
 
 
 def test_the_amx_path_runs_where_the_cpu_has_it_unless_turned_off():
-    """kvserve_blocks_amx: 0 on a CPU without AMX-INT8 (or with KVSERVE_AMX=0), 1 on one with
-    it; the banner says so."""
+    """kvserve_blocks_amx: 0 on a CPU without AMX-INT8 (or with KVSERVE_AMX=0), the rows from
+    which on it takes the tile unit on one with it; the banner says so."""
     turned_off = os.environ.get("KVSERVE_AMX") == "0"
     assert KERNELS.blocks_amx == (
         HAS_AMX and KERNELS.blocks_isa == "AVX512-VNNI" and not turned_off

@@ -41,11 +41,11 @@ typedef struct {
  * kvserve_blocks_gemm does nothing and returns -2; the packing and quantizers still work). */
 int kvserve_blocks_isa(void);
 
-/* 1 when kvserve_blocks_gemm takes the K-quant parts of 8-bit products of 16 rows and more on
- * the AMX-INT8 tile unit (the same float32 results, bit for bit): built with AMX-INT8 (kernel_build
- * adds it where the CPU has it), the kernel grants the tile state, and the environment variable
- * KVSERVE_AMX is not "0" (read once per process: KVSERVE_AMX=0 keeps every product on the vector
- * tiles). */
+/* The rows from which on kvserve_blocks_gemm takes the K-quant parts of 8-bit products on the
+ * AMX-INT8 tile unit (the same float32 results, bit for bit), 0 when it does not: built with
+ * AMX-INT8 (kernel_build adds it where the CPU has it), the kernel grants the tile state, and the
+ * environment variable KVSERVE_AMX is not "0" (read once per process: KVSERVE_AMX=0 keeps every
+ * product on the vector tiles). */
 int kvserve_blocks_amx(void);
 
 /* Inputs per block (32 or 256), bytes per GGUF block, bytes per packed record of 16 columns;

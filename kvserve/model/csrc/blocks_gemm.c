@@ -1249,8 +1249,8 @@ static const tile_fn *tiles_of(int64_t format) {
  * From AMX_MIN_ROWS rows on, the K-quants' 8-bit form (one scale per 256) goes through
  * Sapphire Rapids' tile unit (AMX-INT8, with AVX512-VBMI's byte permutes) where the build and
  * the CPU have them, the kernel grants the tile state (arch_prctl, asked once per process), and
- * KVSERVE_AMX is not "0" in the environment (read once: kvserve_blocks_amx). Everything else, and every call when any of
- * these is missing, takes the tiles above.
+ * KVSERVE_AMX is not "0" in the environment (read once: kvserve_blocks_amx). Everything else,
+ * and every call when any of these is missing, takes the tiles above.
  *
  * Per panel of 16 columns and super-block of 256 inputs, the weights are expanded once for all
  * the rows of the call to the int16 w_j = u_j * sc_g (Q4_K <= 15 * 63, Q5_K <= 31 * 63; Q6_K
@@ -1312,7 +1312,7 @@ static void amx_setup(void) {
 
 int kvserve_blocks_amx(void) {
     pthread_once(&amx_once, amx_setup);
-    return amx_on;
+    return amx_on ? AMX_MIN_ROWS : 0;
 }
 
 /* The tile configuration: palette 1, tiles 0-7 of 16 rows of 64 bytes. A constant, never

@@ -14,10 +14,11 @@ Q8_0, `quantize`), or by the fused `add_rmsnorm` (residual add, RMS norm, quanti
 `silu_mul` kernels; where the width is whole 256s, one scale per 256 (llama.cpp's Q8_K), so
 that the K-quants' sub-block scales multiply integer sums (csrc/blocks_gemm.c). Measured on
 Qwen2.5-Coder-0.5B's Q4_K_M file, 8 bits are enough: every layer's products run by the
-kernels, perplexity -0.08% and 98.9% of next tokens as the float32 model of the same weights (kvserve/bench/blocks_bench.py --quality). Small models can need
-more: on SmolLM2-135M the "capital of France" answer turns from "Paris" to "L'Etoile..." (a
-near tie). `fine=True` gives 12 bits (a coarse int8 and a 4-bit rest, as the q4 path), for a
-second multiply per weight and input.
+kernels, perplexity -0.08% and 98.9% of next tokens as the float32 model of the same weights
+(kvserve/bench/blocks_bench.py --quality). Small models can need more: on SmolLM2-135M the
+"capital of France" answer turns from "Paris" to "L'Etoile..." (a near tie). `fine=True` gives
+12 bits (a coarse int8 and a 4-bit rest, as the q4 path), for a second multiply per weight and
+input.
 
 The product's integer sums are exact and its float work one fixed sequence per output: a row's
 result does not depend on the other rows of the call, the thread count or the instruction set
