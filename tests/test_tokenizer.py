@@ -32,7 +32,11 @@ from kvserve.tokenizer import (  # noqa: E402
     ChatTemplateError,
     IncrementalDetokenizer,
     Tokenizer,
+    _all_byte_level_bytes,
+    _byte_level_bytes,
     _gguf_byte_level,
+    _merge_pairs,
+    _merges_touch,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -681,6 +685,32 @@ def test_a_gguf_vocabularys_tokenizer_json_is_the_one_tokenizers_writes(
     written = json.loads(backend.to_str())
     assert written["added_tokens"], "no added tokens: the comparison would miss them"
     assert json.loads(json.dumps(data)) == written
+
+
+def test_merges_cut_at_once_are_the_ones_cut_one_by_one(fields):
+    merges = list(fields["tokenizer.ggml.merges"].contents())
+    one_by_one = [tuple(merge.split(" ", 1)) for merge in merges]
+    assert _merge_pairs(merges) == one_by_one
+    # A merge with a second space, or with a line break, is cut at its first space all the same.
+    for odd in (["a b", "c d e", "f g"], ["a b", "c\nd e"], ["ab", "c d"], ["a b"], []):
+        assert _merge_pairs(odd) == [tuple(merge.split(" ", 1)) for merge in odd], odd
+    assert _merges_touch(one_by_one, {"Ġt"}) and _merges_touch(merges, {"Ġt"})  # a part
+    assert _merges_touch(one_by_one, {"Ġthe"}) and _merges_touch(merges, {"Ġthe"})  # a join
+    assert not _merges_touch(one_by_one, {"<|im_start|>", "Ġth e"})
+    assert not _merges_touch(merges, {"<|im_start|>"})
+    assert _merges_touch([("a", "b"), ("c",)], {"<|x|>"})  # not a pair: the exact filter decides
+
+
+def test_token_bytes_mapped_at_once_are_each_tokens_bytes(fields, request):
+    from kvserve.model.gguf import read_header
+
+    qwen = read_header(request.getfixturevalue("qwen05_path")).fields["tokenizer.ggml.tokens"]
+    for tokens in (list(fields["tokenizer.ggml.tokens"].contents()), qwen):
+        assert _all_byte_level_bytes(tokens) == [_byte_level_bytes(token) for token in tokens]
+    # Outside the byte alphabet (a space, a character past it): each token on its own.
+    assert _all_byte_level_bytes(["a", "b c"]) is None
+    assert _all_byte_level_bytes(["a", "\u4e2d"]) is None
+    assert _all_byte_level_bytes([]) == []
 
 
 # --------------------------------------------------------------------------------------------
