@@ -148,6 +148,7 @@ FAMILIES: tuple[Family, ...] = (
             _S("kvserve_rope_store_bf16", None, _ROPE),
             _S("kvserve_qk_norm_f32", None, _QK_NORM),
             _S("kvserve_qk_norm_bf16", None, _QK_NORM),
+            _S("kvserve_word_sums", "i32", "count:i64 data:p nbytes:p sums:p num_threads:i32"),
         ),
     ),
     Family(

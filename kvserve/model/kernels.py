@@ -496,6 +496,28 @@ class CpuKernels:
             qkv.data_ptr(), rows, width, num_heads, head_dim, weight.data_ptr(), eps, _threads()
         )
 
+    def word_sums(
+        self, tensors: Sequence[torch.Tensor], num_threads: int | None = None
+    ) -> list[int]:
+        """Each tensor's sum, modulo 2^64, of its bytes' whole little-endian 64-bit words (its
+        bytes past the last whole word left out), in one call that holds no interpreter lock:
+        the checksums of a prepared-weight file, computed while the caller's thread goes on.
+        Tensors on the CPU and contiguous; `num_threads` defaults to torch's."""
+        for index, tensor in enumerate(tensors):
+            _require(
+                tensor.device.type == "cpu" and tensor.is_contiguous(),
+                f"tensor {index} to sum is not a contiguous CPU tensor",
+            )
+        count = len(tensors)
+        data = (ctypes.c_void_p * count)(*(t.data_ptr() for t in tensors))
+        nbytes = (ctypes.c_int64 * count)(*(t.numel() * t.element_size() for t in tensors))
+        sums = (ctypes.c_uint64 * count)()
+        status = self._call("kvserve_word_sums")(
+            count, data, nbytes, sums, _threads() if num_threads is None else num_threads
+        )
+        _require(status == 0, "the word-sum kernel refused its tensors")
+        return list(sums)
+
     def rope_store(
         self,
         qkv: torch.Tensor,

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,12 +316,22 @@ def _load_model(
         from kvserve.model.safetensors import SafetensorsCheckpoint
 
         checkpoint = SafetensorsCheckpoint(path)
-        tokenizer = Tokenizer.from_hf_dir(path)
     else:
         from kvserve.model.gguf import GGUFCheckpoint
 
         checkpoint = GGUFCheckpoint(path)
-        tokenizer = Tokenizer.from_gguf(path, fields=checkpoint.fields)
+    tokenizers: list[Tokenizer] = []
+
+    def build_tokenizer() -> None:
+        # Built where the prepared weights are checked (the two overlap, see WeightCache.load),
+        # else before they are prepared: a vocabulary that cannot be read fails first.
+        if not tokenizers:
+            tokenizers.append(
+                Tokenizer.from_hf_dir(path)
+                if path.is_dir()
+                else Tokenizer.from_gguf(path, fields=checkpoint.fields)
+            )
+
     name = model_name(model, path)
     config = checkpoint.config
     q4_unsupported = None
@@ -392,8 +403,11 @@ def _load_model(
     if quantization == "gguf" and device_config.requantize is not None:
         prepared_as = f"gguf>{device_config.requantize}"
     llama, cache_status, written = _prepared_model(
-        cache, path, config, prepared_as, dtype, device, prepare, kernels, checkpoint
-    )
+        cache, path, config, prepared_as, dtype, device, prepare, kernels, checkpoint,
+        beside=build_tokenizer,
+    )  # fmt: skip
+    build_tokenizer()
+    tokenizer = tokenizers[0]
     weights_done = time.perf_counter()
     loaded = LoadedModel(
         model=llama,
@@ -442,11 +456,14 @@ def _prepared_model(
     prepare,
     kernels: CpuKernels | None,
     checkpoint=None,
+    beside: Callable[[], None] = lambda: None,
 ) -> tuple[LlamaModel, str, Future | None]:
     """The model from the prepared-weight cache when it has it, else `prepare()` (then
     cached behind the load). Returns the model, what the cache did (see LoadedModel.weight_cache)
-    and the write of its file, if one was started."""
+    and the write of its file, if one was started. `beside` (run once, it may be called again)
+    runs while a cached file is checked, else before `prepare()`."""
     if cache is None:
+        beside()
         return prepare(), "off", None
     from kvserve.model.weight_cache import CorruptCacheError, cache_key
 
@@ -460,7 +477,7 @@ def _prepared_model(
     )
     status = "written"
     try:
-        found = cache.load(key)
+        found = cache.load(key, kernels=kernels, beside=beside)
         if found is not None:
             try:
                 model = LlamaModel.from_prepared(
@@ -472,6 +489,7 @@ def _prepared_model(
                 status = "rebuilt"
     except CorruptCacheError:
         status = "rebuilt"
+    beside()
     model = prepare()
     tensors, numbers = model.prepared_tensors()
     return model, status, cache.store_behind(key, tensors, numbers, source=path)

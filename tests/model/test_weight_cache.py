@@ -342,3 +342,58 @@ def test_the_writer_gives_files_safetensors_reads_back_exactly(tmp_path):
             read = file.get_tensor(name)
             assert read.dtype == tensor.dtype and read.shape == tensor.shape, name
             assert torch.equal(read, tensor), name
+
+
+def test_the_word_sum_kernel_gives_numpys_checksums():
+    """One call sums every tensor's whole 64-bit words, wrapping at 2^64 (random bytes
+    overflow it), on one thread or several; the checksum text is numpy's."""
+    kernels = load_kernels()
+    generator = torch.Generator().manual_seed(3)
+    sizes = [0, 1, 7, 8, 9, 4096 + 5, 3 << 20, (1 << 21) + 3]
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator) for n in sizes]
+    tensors.append(torch.randn(333, 7, generator=generator).to(torch.bfloat16))
+    tensors.append(torch.full((1 << 19,), -1, dtype=torch.int64))  # every word 2^64 - 1
+    expected = [weight_cache.tensor_checksum(t) for t in tensors]
+    for threads in (1, 2):
+        sums = kernels.word_sums(tensors, num_threads=threads)
+        assert [
+            weight_cache.tensor_checksum(t, s) for t, s in zip(tensors, sums, strict=True)
+        ] == expected
+    assert sums[-1] == (-(1 << 19)) % 2**64
+    with pytest.raises(ValueError, match="not a contiguous CPU tensor"):
+        kernels.word_sums([torch.zeros(8, 8).t()])
+    assert kernels.word_sums([]) == []
+
+
+def test_the_vocabulary_is_built_while_a_cached_file_is_checked(tmp_path):
+    """`load(beside=...)` runs `beside` once the file is found and mapped, while the sums run
+    (not for a missing or unreadable file); its error is raised as it is and leaves the file,
+    and a damaged file is still caught with the kernel's sums."""
+    cache = WeightCache(tmp_path)
+    kernels = load_kernels()
+    key = "1" * 32
+    tensors = {"w": torch.randn(1000, 37), "b": torch.arange(5, dtype=torch.int8)}
+    cache.store(key, tensors, {"n": 1})
+    calls = []
+    assert cache.load("2" * 32, kernels=kernels, beside=lambda: calls.append("missing")) is None
+    loaded, numbers = cache.load(key, kernels=kernels, beside=lambda: calls.append("hit"))
+    assert calls == ["hit"] and numbers == {"n": 1}
+    assert all(torch.equal(loaded[name], tensors[name]) for name in tensors)
+
+    def fails() -> None:
+        calls.append("fails")
+        raise ValueError("this vocabulary cannot be read")
+
+    with pytest.raises(ValueError, match="this vocabulary"):
+        cache.load(key, kernels=kernels, beside=fails)
+    assert cache.path_for(key).exists()
+    data = bytearray(cache.path_for(key).read_bytes())
+    data[-3000] ^= 0xFF  # inside "w", the last tensor written
+    cache.path_for(key).write_bytes(bytes(data))
+    with pytest.raises(weight_cache.CorruptCacheError, match="fails its checksum"):
+        cache.load(key, kernels=kernels, beside=lambda: calls.append("damaged"))
+    assert calls == ["hit", "fails", "damaged"] and not cache.path_for(key).exists()
+    cache.path_for(key).write_bytes(b"not a safetensors file")
+    with pytest.raises(weight_cache.CorruptCacheError):
+        cache.load(key, kernels=kernels, beside=lambda: calls.append("unreadable"))
+    assert calls == ["hit", "fails", "damaged"]

@@ -7,6 +7,8 @@
  *   gelu_tanh_mul out = cast(gelu_tanh(gate) * up), the same for GeGLU (Gemma)
  *   rope_store    rotate q and k in place (half-rotation RoPE) and write k, v into the paged cache
  *   qk_norm       the per-head RMSNorm of q and k (qwen3), in place, computed in float32
+ *   word_sums     each buffer's sum of little-endian 64-bit words (the prepared-weight cache's
+ *                 checksums, all in one call)
  *
  * The residual stream x is float32; `out`, `delta` and the q|k|v rows are the model dtype
  * (float32 or bfloat16, chosen by the `_f32` / `_bf16` entry points). Rows run in parallel with
@@ -158,3 +160,27 @@ DEFINE_ROPE_STORE(kvserve_rope_store_bf16, uint16_t, rotate_heads_bf16)
 
 DEFINE_QK_NORM(kvserve_qk_norm_f32, float, float_identity, float_identity)
 DEFINE_QK_NORM(kvserve_qk_norm_bf16, uint16_t, bf16_to_float, float_to_bf16)
+
+/* sums[i] = the sum, modulo 2^64, of the whole little-endian 64-bit words of data[i] (its first
+ * nbytes[i] / 8 * 8 bytes; the tail is the caller's). One call for every tensor of a prepared
+ * file, so that a caller may do other work while it runs. Returns 0, or -1 (nothing written)
+ * for a negative count or size or a missing pointer. */
+int kvserve_word_sums(int64_t count, const uint8_t *const *data, const int64_t *nbytes,
+                      uint64_t *sums, int num_threads) {
+    if (count < 0 || (count > 0 && (!data || !nbytes || !sums))) return -1;
+    for (int64_t i = 0; i < count; i++)
+        if (nbytes[i] < 0 || (nbytes[i] >= 8 && !data[i])) return -1;
+    for (int64_t i = 0; i < count; i++) {
+        const uint8_t *bytes = data[i];
+        const int64_t words = nbytes[i] / 8;
+        uint64_t total = 0;
+        _Pragma("omp parallel for reduction(+ : total) num_threads(num_threads) if (words >= (1 << 18))")
+        for (int64_t w = 0; w < words; w++) {
+            uint64_t word;
+            memcpy(&word, bytes + 8 * w, 8);
+            total += word;
+        }
+        sums[i] = total;
+    }
+    return 0;
+}

@@ -32,5 +32,7 @@ void kvserve_qk_norm_f32(float *qkv, int64_t rows, int64_t width, int64_t num_he
                          int64_t head_dim, const float *weight, float eps, int num_threads);
 void kvserve_qk_norm_bf16(uint16_t *qkv, int64_t rows, int64_t width, int64_t num_heads,
                           int64_t head_dim, const float *weight, float eps, int num_threads);
+int kvserve_word_sums(int64_t count, const uint8_t *const *data, const int64_t *nbytes,
+                      uint64_t *sums, int num_threads);
 
 #endif
