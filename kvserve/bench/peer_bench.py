@@ -69,7 +69,7 @@ def _first_answer(process: subprocess.Popen, url: str, timeout: float = 600.0) -
                     return
         except (httpx.HTTPError, KeyError, IndexError, ValueError):
             pass
-        time.sleep(0.01)  # the starts are measured to 10 ms
+        time.sleep(0.05)
     raise RuntimeError("the server never answered")
 
 
