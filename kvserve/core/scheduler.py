@@ -85,7 +85,13 @@ from kvserve.core.kv_manager import NO_HITS, ComputedBlocks, KVManager
 from kvserve.core.plan import ChunkPlan, StepPlan
 from kvserve.core.queue import AdmissionQueue, CapacitySignal, Outcome, Waiter
 from kvserve.core.sequence import Sequence, SequenceStatus
-from kvserve.core.spec import Acceptance, Payoff, propose_ngram
+from kvserve.core.spec import (
+    NGRAM_REST_STEPS,
+    REST_STEPS,
+    Acceptance,
+    Payoff,
+    propose_ngram,
+)
 
 Proposer = Callable[[Sequence, int], Seq[int]]
 """Guesses for a decoding sequence: (the sequence, at most how many) -> the guessed tokens."""
@@ -558,7 +564,8 @@ class Scheduler:
             if not seq.speculate:
                 continue
             if seq.acceptance is None:
-                seq.acceptance = Acceptance(spec.num_speculative_tokens)
+                rest = NGRAM_REST_STEPS if spec.method == "ngram" else REST_STEPS
+                seq.acceptance = Acceptance(spec.num_speculative_tokens, rest_steps=rest)
             # Blocks for the guesses come from its table and the free pool only.
             fit = self._kv.coverable(seq.seq_id) - seq.num_computed - 1
             limit = min(

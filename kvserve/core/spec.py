@@ -55,8 +55,15 @@ def propose_ngram(token_ids: Seq[int], num_tokens: int, min_n: int, max_n: int) 
     return ()
 
 
-# Decode steps a sequence rests from guessing after its guesses failed outright at k = 1.
+# Decode steps a sequence rests from guessing after its guesses failed outright at k = 1,
+# where a guess costs a draft model's steps. A lookup's guesses cost nothing to make, only their
+# verify rows (a 2-row step for k = 1: 1.2x a plain step on the default model), so a sequence
+# guessing by lookup rests none: the lookup finding nothing is its rest, and `Payoff` decides
+# whether guessing pays at all. The default model's editing bench, k = 4, one stream (Intel
+# Xeon, 2 cores, docs/benchmarks.md 2026-12-06 23:50): 1.97x with 8 steps of rest, 2.01-2.05x
+# with 2, 2.05-2.08x with none.
 REST_STEPS = 8
+NGRAM_REST_STEPS = 0
 
 
 @dataclass(slots=True)
@@ -65,6 +72,7 @@ class Acceptance:
     and what it drafted and had accepted so far (per position, for the metrics)."""
 
     max_k: int
+    rest_steps: int = REST_STEPS  # rest after an outright failure at k = 1
     k: int = 0
     rest: int = 0  # decode steps left before guessing again
     num_drafts: int = 0
@@ -87,7 +95,7 @@ class Acceptance:
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         """A verification landed: `num_accepted` of `num_drafted` guesses were kept. All kept:
-        guess one more next time; none: halve k (at k = 1, rest `REST_STEPS` steps)."""
+        guess one more next time; none: halve k (at k = 1, rest `rest_steps` steps)."""
         if num_drafted <= 0:
             return
         self.num_drafts += 1
@@ -99,7 +107,7 @@ class Acceptance:
             self.k = min(self.k + 1, self.max_k)
         elif num_accepted == 0:
             if self.k <= 1:
-                self.rest = REST_STEPS
+                self.rest = self.rest_steps
             else:
                 self.k = max(self.k // 2, 1)
 

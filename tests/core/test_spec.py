@@ -57,6 +57,11 @@ def test_acceptance_shrinks_k_on_failures_grows_it_back_and_rests():
     assert record.k == 3
     assert record.num_drafts == 6 and record.num_draft_tokens == 13 and record.num_accepted == 4
     assert record.accepted_per_pos == [3, 1, 0, 0]
+    # A lookup's guesses (no model call to make them) rest none: k = 1 is tried again at once.
+    lookup = Acceptance(2, rest_steps=0)
+    lookup.record(2, 0)
+    lookup.record(1, 0)
+    assert (lookup.k, lookup.wants(), lookup.wants()) == (1, 1, 1)
 
 
 # -- the configuration ---------------------------------------------------------------------------
