@@ -229,8 +229,9 @@ class LoadedModel:
     # None when it could not be written); None when nothing is written.
     weight_cache_written: Future | None = None
     kernels: CpuKernels | None = None  # the CPU kernels the model runs on (None on CUDA)
-    # Where the load's seconds went: building the kernels, reading the file's header and
-    # vocabulary, and preparing the weights (repacked, or mapped from the prepared-weight cache).
+    # Where the load's seconds went: building the kernels, reading the file's header, and
+    # preparing the weights (repacked, or mapped from the prepared-weight cache) with the
+    # tokenizer, which is built while the mapped weights are checked (else before a repack).
     kernels_seconds: float = 0.0
     read_seconds: float = 0.0
     weights_seconds: float = 0.0
@@ -238,8 +239,8 @@ class LoadedModel:
     requantized: str | None = None  # the type its larger layer blocks were requantized to
 
     def describe_load(self) -> str:
-        """The load's time split, e.g. "kernels 0.0 s, read 0.2 s, weights 1.1 s (mapped from
-        the prepared-weight cache)"."""
+        """The load's time split, e.g. "kernels 0.0 s, read 0.2 s, weights and tokenizer 1.1 s
+        (mapped from the prepared-weight cache)"."""
         how = {
             "hit": "mapped from the prepared-weight cache",
             "written": "repacked; the prepared-weight cache is written behind the start",
@@ -248,7 +249,7 @@ class LoadedModel:
         }.get(self.weight_cache, "read from the checkpoint")
         return (
             f"kernels {self.kernels_seconds:.1f} s, read {self.read_seconds:.1f} s, "
-            f"weights {self.weights_seconds:.1f} s ({how})"
+            f"weights and tokenizer {self.weights_seconds:.1f} s ({how})"
         )
 
     def describe_kernels(self) -> str:

@@ -168,7 +168,8 @@ def test_serve_subprocess(stop_signal, int8):
         assert "shutdown: running requests get 0 s to finish; no CORS" in banner
         # The start's split and the memory plan, the pool's share read off its own line.
         assert re.search(
-            r"started in [0-9.]+ s: kernels [0-9.]+ s, read [0-9.]+ s, weights [0-9.]+ s \(", banner
+            r"started in [0-9.]+ s: kernels [0-9.]+ s, read [0-9.]+ s, weights and tokenizer [0-9.]+ s \(",
+            banner,
         )
         plan = re.search(r"memory plan: weights ([0-9,]+) MiB \(([0-9.]+)x the file's", banner)
         assert plan and int(plan[1].replace(",", "")) > 0
