@@ -22,8 +22,9 @@ its copied tail block itself).
 
 The guesses are the draft's argmax (a point mass), which the target's verification
 (`Sampler.verify`, the point-mass rule) keeps exact for greedy and sampled requests alike. A
-draft whose head is in GGUF blocks picks them with a 4-bit copy of it (kvserve/model/head.py,
-`GuessHead`): a draft step reads less, and a rounding can only cost an accepted guess.
+draft whose head is in GGUF blocks picks them with a 4-bit copy of its first rows
+(kvserve/model/head.py, `GuessHead`): a draft step reads less, and a rounding or a token past
+the copy can only cost an accepted guess.
 """
 
 from __future__ import annotations

@@ -209,19 +209,27 @@ class BlockHead:
 
 # A draft model's head (GuessHead): requantized to GUESS_QTYPE when the file's blocks take more
 # bytes a value (BlockWeight.requantized), GUESS_CHUNK_ROWS vocabulary rows at a time (a float
-# copy of the whole head would be 0.5 GB for a 151,936 x 896 head).
+# copy of the whole head would be 0.5 GB for a 151,936 x 896 head). Its guesses are tokens
+# below GUESS_VOCAB (a multiple of 16, the packed panels' width): byte-level BPE vocabularies
+# number their tokens by merge rank and SentencePiece ones by score, the common ones first.
+# qwen2.5-coder:0.5b as qwen2.5-coder:1.5b's draft, k = 4, one stream (docs/benchmarks.md,
+# 2026-12-07 00:07): the whole vocabulary 1.45x on the editing bench (98.1% of guesses
+# accepted), the first 65,536 tokens 1.52x (95.2%), the first 32,768 1.37x (81.3%).
 GUESS_QTYPE = "Q4_0"
 GUESS_CHUNK_ROWS = 8192
+GUESS_VOCAB = 65536
 
 
 class GuessHead:
-    """A draft model's head: the best token of each row, from a 4-bit copy of its lm_head.
+    """A draft model's head: the best token of each row, from a 4-bit copy of its lm_head's
+    first GUESS_VOCAB rows.
 
     A draft's guesses only choose what the target verifies (kvserve/engine/draft.py): a token
-    that a rounding changes costs at most an accepted guess, never a wrong one. A small draft's
-    head is a large part of each of its steps (Qwen2.5-Coder-0.5B: 151,936 x 896 in Q8_0, 145 of
-    the 484 MB a step reads), so it is requantized to Q4_0 (76 MB) once at load, and no
-    candidate is recomputed exactly (the target's head does that for its own choices)."""
+    that a rounding changes, or that the copy leaves out, costs at most an accepted guess, never
+    a wrong one. A small draft's head is a large part of each of its steps (Qwen2.5-Coder-0.5B:
+    151,936 x 896 in Q8_0, 145 of the 484 MB a step reads), so its first 65,536 rows are
+    requantized to Q4_0 (33 MB) once at load, and no candidate is recomputed exactly (the
+    target's head does that for its own choices)."""
 
     def __init__(self, head: BlockHead) -> None:
         self.norm, self.eps, self.kernels = head.norm, head.eps, head.kernels
@@ -235,26 +243,39 @@ class GuessHead:
         return head.guess_head() if isinstance(head, BlockHead) else None
 
     def _requantized(self, head: BlockHead):
-        """The head's product in GUESS_QTYPE, from the file's rows, or as it is where its
-        blocks are no larger."""
-        from kvserve.model.linear.blocks import BlockLinear
+        """The product of the head's first GUESS_VOCAB rows in GUESS_QTYPE, from the file's
+        rows, or as they are (a view) where their blocks are no larger."""
+        from kvserve.model.block_formats import PANEL
+        from kvserve.model.linear.blocks import BlockLinear, BlockWeight
 
         (part,) = head.head.parts
+        if part.out_features > GUESS_VOCAB:
+            part = BlockWeight(
+                part.qtype,
+                GUESS_VOCAB,
+                part.in_features,
+                part.packed[: GUESS_VOCAB // PANEL],
+                None if part.bias is None else part.bias[:GUESS_VOCAB],
+                part.kernels,
+            )
         weight = part.requantized(
             GUESS_QTYPE,
             lambda rows: dequantize_rows(head.qtype, head.raw, rows),
             GUESS_CHUNK_ROWS,
         )
-        return head.head if weight is part else BlockLinear((weight,))
+        if weight is head.head.parts[0]:
+            return head.head
+        return BlockLinear((weight,))
 
     @property
     def num_bytes(self) -> int:
-        """The bytes of its own copy (0 where it reads the model's head)."""
-        return 0 if self.product is self.model_product else self.product.num_bytes
+        """The bytes of its own copy (0 where it reads the model's head, or a part of it)."""
+        (own,), (model,) = self.product.parts, self.model_product.parts
+        return 0 if own.packed.data_ptr() == model.packed.data_ptr() else self.product.num_bytes
 
     def best(self, x: torch.Tensor, vocab: int) -> torch.Tensor:
-        """The best token id below `vocab` of each residual row x ([rows, hidden] float32):
-        [rows] int64."""
+        """The best token id below `vocab` (and GUESS_VOCAB) of each residual row x ([rows,
+        hidden] float32): [rows] int64."""
         if x.shape[0] == 0:  # a catch-up pass whose chunks all continue a prompt
             return torch.empty(0, dtype=torch.long)
         normed = F.rms_norm(x, (x.shape[1],), self.norm, self.eps)

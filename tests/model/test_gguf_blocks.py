@@ -149,18 +149,22 @@ def test_layers_in_one_c_call_match_the_python_loop(qwen05_gguf):
 
 
 def test_a_drafts_guess_head_is_4_bit_and_picks_the_models_best_tokens(qwen05_gguf):
-    """A draft's head (kvserve/model/head.py, GuessHead): the 0.5B's Q8_0 lm_head requantized
-    to Q4_0, about half its bytes; on the residual rows of real text its best token is the
-    model's own (exact head's) best at most positions, and where not, the model's two best were
-    nearly tied; a head already in 4-bit blocks is used as it is."""
+    """A draft's head (kvserve/model/head.py, GuessHead): the first GUESS_VOCAB rows of the
+    0.5B's Q8_0 lm_head requantized to Q4_0, about half their bytes; on the residual rows of
+    real text its best token is the model's own (exact head's) best at most positions, and where
+    not, the model's two best were nearly tied; a head already in 4-bit blocks is read where it
+    lies."""
     from kvserve.core.plan import ChunkPlan
-    from kvserve.model.head import BlockHead, GuessHead
+    from kvserve.model.head import GUESS_VOCAB, BlockHead, GuessHead
+    from kvserve.model.linear.blocks import BlockLinear, BlockWeight
 
     model = qwen05_gguf.model
     guess = GuessHead.of(model.head)
     assert GuessHead.of(model.head) is guess  # made once per loaded head
     assert model.head.qtype == "Q8_0" and guess.product.qtypes == ("Q4_0",)
-    assert 0.5 < guess.num_bytes / model.head.num_bytes < 0.6
+    vocab = model.config.vocab_size
+    assert guess.product.out_features == GUESS_VOCAB < vocab
+    assert 0.5 < guess.num_bytes / (model.head.num_bytes * GUESS_VOCAB / vocab) < 0.6
     ids = qwen05_gguf.tokenizer.encode(quality_text())[:256]
     cache = KVCache(model.config, 8, 32, model.dtype, CPU)
     chunk = ChunkPlan("text", 0, 0, len(ids), tuple(range(8)), is_prefill=True, samples=True)
@@ -171,6 +175,7 @@ def test_a_drafts_guess_head_is_4_bit_and_picks_the_models_best_tokens(qwen05_gg
         logits = model.head.logits(rows)
         exact = logits.argmax(-1)
         best = guess.best(rows, model.config.vocab_size)
+        assert int(best.max()) < GUESS_VOCAB
         # below a smaller vocabulary (a target's), no token at or past it; no rows, no tokens
         assert int(guess.best(rows, 1000).max()) < 1000
         assert guess.best(rows[:0], model.config.vocab_size).shape == (0,)
@@ -180,10 +185,21 @@ def test_a_drafts_guess_head_is_4_bit_and_picks_the_models_best_tokens(qwen05_gg
     assert float(differ.double().mean()) <= 0.2, float(differ.double().mean())
     top2 = logits[differ].topk(2, dim=-1).values
     assert float((top2[:, 0] - top2[:, 1]).median()) < 0.5
-    # A head already in Q4_0 blocks is read as it is: nothing copied.
+    # A head already in Q4_0 blocks is read where it lies: nothing copied (its first rows are
+    # a view), and within them the same choices.
     head = BlockHead(guess.product, model.head.norm, "Q4_0", None, model.head.eps, model.kernels)
     again = GuessHead.of(head)
     assert again.product is guess.product and again.num_bytes == 0
+    (part,) = guess.product.parts
+    packed = part.packed.repeat(2, 1, 1)  # rows past GUESS_VOCAB: copies of the first ones
+    wider = BlockWeight("Q4_0", 2 * GUESS_VOCAB, part.in_features, packed, None, model.kernels)
+    head = BlockHead(
+        BlockLinear((wider,)), model.head.norm, "Q4_0", None, model.head.eps, model.kernels
+    )
+    view = GuessHead.of(head)
+    assert view.num_bytes == 0 and view.product.out_features == GUESS_VOCAB
+    with torch.inference_mode():
+        assert torch.equal(view.best(rows, 2 * GUESS_VOCAB), best)
 
 
 def test_q4_0_rows_round_as_ggml_rounds_them(kernels):
