@@ -192,6 +192,11 @@ class ServerState:
             await self.models.preload()
         except Exception as exc:
             failed = next((m.load_error for m in self.models.models if m.load_error), None)
+            if failed is None and self.models.stopping:
+                # The server stopped while the engine was built: the load ends with it, which
+                # is no failure (the process exits as a stop does).
+                log.info("the model's load ended with the server's stop")
+                return
             error = failed or exc
             log.error("the model could not be loaded: %s", error)
             self.load_error = error

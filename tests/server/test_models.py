@@ -186,6 +186,36 @@ def test_a_failed_load_is_503_and_the_next_request_tries_again():
     run(scenario())
 
 
+def test_a_load_that_the_servers_stop_ends_is_no_load_failure():
+    """The server stops while the engine of its start-up model is built: the load ends with the
+    stop (the engine built meanwhile is stopped) and reports no load error, so `kvserve serve`
+    exits as a stop does; a load that fails is still reported."""
+    from kvserve.config import ServerConfig
+    from kvserve.server.core import ServerState
+
+    async def scenario(fail: Exception | None):
+        gate = threading.Event()
+        factory = Factory("a", gate=gate)
+        factory.fail = fail
+        errors: list[BaseException] = []
+        model = ServedModel("a", factory, keep_alive=None, preload=True)
+        state = ServerState(ServerConfig(), ModelRegistry([model]), on_load_error=errors.append)
+        load = asyncio.create_task(state.load())
+        while model.status != "loading":
+            await asyncio.sleep(0.01)
+        await state.stop()  # the build is held meanwhile
+        gate.set()
+        await load
+        return state, factory, errors
+
+    state, factory, errors = run(scenario(None))
+    assert errors == [] and state.load_error is None
+    assert len(factory.builds) == 1 and factory.builds[0].stopped
+    state, factory, errors = run(scenario(FileNotFoundError("no such model file")))
+    assert len(errors) == 1 and isinstance(errors[0], FileNotFoundError)
+    assert state.load_error is errors[0]
+
+
 def test_names_are_found_with_ollamas_tag_and_unknown_ones_are_404():
     registry = ModelRegistry([served("a", Factory("a")), served("b:1b", Factory("b"))])
     assert registry.find(None).name == "a"
