@@ -113,21 +113,40 @@ class _Cursor:
 
     def strings(self, count: int) -> list[str]:
         """`count` strings in a row (a vocabulary: 150k tokens and as many merges), read in
-        one loop of local names: 0.34 s for a 150k vocabulary's header one string at a time,
-        0.14 s this way."""
-        buffer, pos, size = self.buffer, self.pos, len(self.buffer)
+        one loop of local names from bytes copies of the file's next stretch (decoding slices
+        of bytes is quicker than of the mapped file's view): 0.34 s for a 150k vocabulary's
+        header one string at a time, 0.11 s this way."""
+        buffer, size = self.buffer, len(self.buffer)
         length_at = _U64.unpack_from
+        decode = bytes.decode
         out = [""] * count
-        for index in range(count):
-            (length,) = length_at(buffer, pos)
-            pos += 8
-            end = pos + length
-            if end > size:
-                raise GGUFFormatError("string runs past the end of the file")
-            out[index] = str(buffer[pos:end], "utf-8")
-            pos = end
-        self.pos = pos
-        return out
+        index, base, need = 0, self.pos, 0
+        while True:
+            # a stretch from `base` that holds the strings left in the common case (16-byte
+            # tokens and merges with their lengths) and at least the next one whole
+            data = bytes(buffer[base : base + max(64 * (count - index), 1 << 16, need)])
+            at, stop = 0, len(data)
+            while index < count and at + 8 <= stop:
+                (length,) = length_at(data, at)
+                end = at + 8 + length
+                if end > stop:
+                    break
+                out[index] = decode(data[at + 8 : end], "utf-8")
+                index += 1
+                at = end
+            if index == count:
+                self.pos = base + at
+                return out
+            if at + 8 > stop:  # the next length is not in the stretch
+                if base + at + 8 > size:
+                    raise GGUFFormatError("string runs past the end of the file")
+                need = 8
+            else:
+                (length,) = length_at(data, at)
+                if base + at + 8 + length > size:
+                    raise GGUFFormatError("string runs past the end of the file")
+                need = 8 + length
+            base += at
 
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
