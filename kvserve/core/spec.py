@@ -60,8 +60,8 @@ def propose_ngram(token_ids: Seq[int], num_tokens: int, min_n: int, max_n: int) 
 # verify rows (a 2-row step for k = 1: 1.2x a plain step on the default model), so a sequence
 # guessing by lookup rests none: the lookup finding nothing is its rest, and `Payoff` decides
 # whether guessing pays at all. The default model's editing bench, k = 4, one stream (Intel
-# Xeon, 2 cores, docs/benchmarks.md 2026-12-06 23:50): 1.97x with 8 steps of rest, 2.01-2.05x
-# with 2, 2.05-2.08x with none.
+# Xeon, 2 cores, docs/benchmarks.md "2026-12-06 23:12–00:05"): 1.97x with 8 steps of rest,
+# 2.01-2.05x with 2, 2.05-2.08x with none.
 REST_STEPS = 8
 NGRAM_REST_STEPS = 0
 

@@ -124,7 +124,7 @@ class _Cursor:
         while True:
             # a stretch from `base` that holds the strings left in the common case (16-byte
             # tokens and merges with their lengths) and at least the next one whole
-            data = bytes(buffer[base : base + max(64 * (count - index), 1 << 16, need)])
+            data = bytes(buffer[base : base + max(64 * (count - index), 256, need)])
             at, stop = 0, len(data)
             while index < count and at + 8 <= stop:
                 (length,) = length_at(data, at)

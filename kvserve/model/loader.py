@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import sys
@@ -321,17 +322,14 @@ def _load_model(
         from kvserve.model.gguf import GGUFCheckpoint
 
         checkpoint = GGUFCheckpoint(path)
-    tokenizers: list[Tokenizer] = []
 
-    def build_tokenizer() -> None:
+    @functools.cache
+    def read_tokenizer() -> Tokenizer:
         # Built where the prepared weights are checked (the two overlap, see WeightCache.load),
         # else before they are prepared: a vocabulary that cannot be read fails first.
-        if not tokenizers:
-            tokenizers.append(
-                Tokenizer.from_hf_dir(path)
-                if path.is_dir()
-                else Tokenizer.from_gguf(path, fields=checkpoint.fields)
-            )
+        if path.is_dir():
+            return Tokenizer.from_hf_dir(path)
+        return Tokenizer.from_gguf(path, fields=checkpoint.fields)
 
     name = model_name(model, path)
     config = checkpoint.config
@@ -405,10 +403,9 @@ def _load_model(
         prepared_as = f"gguf>{device_config.requantize}"
     llama, cache_status, written = _prepared_model(
         cache, path, config, prepared_as, dtype, device, prepare, kernels, checkpoint,
-        beside=build_tokenizer,
+        beside=read_tokenizer,
     )  # fmt: skip
-    build_tokenizer()
-    tokenizer = tokenizers[0]
+    tokenizer = read_tokenizer()
     weights_done = time.perf_counter()
     loaded = LoadedModel(
         model=llama,
@@ -457,12 +454,12 @@ def _prepared_model(
     prepare,
     kernels: CpuKernels | None,
     checkpoint=None,
-    beside: Callable[[], None] = lambda: None,
+    beside: Callable[[], object] = lambda: None,
 ) -> tuple[LlamaModel, str, Future | None]:
     """The model from the prepared-weight cache when it has it, else `prepare()` (then
     cached behind the load). Returns the model, what the cache did (see LoadedModel.weight_cache)
-    and the write of its file, if one was started. `beside` (run once, it may be called again)
-    runs while a cached file is checked, else before `prepare()`."""
+    and the write of its file, if one was started. `beside` runs while a cached file is checked,
+    else before `prepare()`; it may be called more than once (the loader's caches its result)."""
     if cache is None:
         beside()
         return prepare(), "off", None

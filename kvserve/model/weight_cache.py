@@ -176,7 +176,7 @@ def tensor_checksum(tensor: torch.Tensor, word_sum: int | None = None) -> str:
 
 
 def _checksums_beside(
-    tensors: dict[str, torch.Tensor], kernels, beside: Callable[[], None] | None
+    tensors: dict[str, torch.Tensor], kernels, beside: Callable[[], object] | None
 ) -> dict[str, str]:
     """Every tensor's `tensor_checksum`, with `beside()` run meanwhile on this thread: the word
     sums are one kernel call on a thread of their own, which holds no interpreter lock, so a
@@ -270,7 +270,7 @@ class WeightCache:
         return self.directory / f"{key}.safetensors"
 
     def load(
-        self, key: str, *, kernels=None, beside: Callable[[], None] | None = None
+        self, key: str, *, kernels=None, beside: Callable[[], object] | None = None
     ) -> tuple[dict[str, torch.Tensor], dict[str, int]] | None:
         """The cached tensors (memory-mapped) and numbers, or None when there is no file.
         Raises CorruptCacheError (after deleting the file) when one exists but is unusable.
