@@ -11,7 +11,7 @@ shapes in int8 (kvserve_int8_gemm, 1.31 GB). Activations are quantized beforehan
 sides: the products alone are timed. For each row count, the best of `repeats` calls, their
 weight bytes per second, and at 1 row the fraction of the read bandwidth measured just before.
 The quality of the block path is measured through the model itself (kvserve/bench/quality.py).
-On a CPU with AMX-INT8 the products of 16 rows and more take it; KVSERVE_AMX=0 in the
+On a CPU with AMX-INT8 the products of 13 rows and more take it; KVSERVE_AMX=0 in the
 environment times the vector tiles instead (csrc/blocks_gemm.c, kvserve_blocks_amx).
 """
 

@@ -518,11 +518,12 @@ def test_without_avx2_the_product_says_so_and_packing_still_works(tmp_path):
 def test_the_avx2_product_gives_this_machines_floats(tmp_path):
     """Built for AVX2 without VNNI (vpmaddubsw's int16 pair sums, the sub-block scales applied
     by vpmaddwd), the product gives the same float32 results as this machine's build, bit for
-    bit, in both activation forms and tiles of 1, 2 and 4 rows (and 7 = 4 + 2 + 1)."""
+    bit, in both activation forms and tiles of 1, 2, 4 and 8 rows (and 7 = 4 + 2 + 1, 15 = 8 +
+    4 + 2 + 1: this machine's AVX512 tiles take 8 rows, AVX2's 4)."""
     lib = _blocks_library(tmp_path / "blocks_avx2.so", "-march=haswell", *kernel_build.FLAGS[2:])
     assert lib.kvserve_blocks_isa() == 1 and lib.kvserve_blocks_amx() == 0
     k, n = 512, 40
-    x = torch.randn(7, k) * 3
+    x = torch.randn(15, k) * 3
     for fine in (False, True):
         act = act_blocks(x, fine)
         for qtype in FORMATS:
@@ -531,7 +532,7 @@ def test_the_avx2_product_gives_this_machines_floats(tmp_path):
                 BlocksWeightStruct(weight.packed.data_ptr(), weight.bias.data_ptr(), n,
                                    block_format(qtype).ggml_type)
             )  # fmt: skip
-            for rows in (1, 2, 4, 7):
+            for rows in (1, 2, 4, 7, 8, 15):
                 out = torch.empty(rows, n)
                 status = lib.kvserve_blocks_gemm(
                     act.q.data_ptr(), None if act.rest is None else act.rest.data_ptr(),
@@ -557,7 +558,7 @@ def test_the_amx_path_runs_where_the_cpu_has_it_unless_turned_off():
     assert KERNELS.blocks_amx == (
         HAS_AMX and KERNELS.blocks_isa == "AVX512-VNNI" and not turned_off
     )
-    assert ("AMX-INT8 from 16 rows" in KERNELS.describe()) == KERNELS.blocks_amx
+    assert ("AMX-INT8 from 13 rows" in KERNELS.describe()) == KERNELS.blocks_amx
     assert KERNELS.as_dict()["blocks_amx"] == KERNELS.blocks_amx
 
 
@@ -565,7 +566,7 @@ def test_the_amx_path_runs_where_the_cpu_has_it_unless_turned_off():
     not KERNELS.blocks_amx, reason="needs a CPU with AMX-INT8 (and KVSERVE_AMX unset)"
 )
 def test_the_amx_product_gives_the_vector_tiles_floats(tmp_path, monkeypatch):
-    """The K-quants' 8-bit products of 16 rows and more on the tile unit (this process's
+    """The K-quants' 8-bit products of 13 rows and more on the tile unit (this process's
     kernels) equal the vector tiles' (the same source built again, KVSERVE_AMX=0 when it first
     asks), bit for bit: row counts not a multiple of 16 or 32, columns not a multiple of 16,
     biases, fused parts with other formats between them, one and two threads."""
@@ -610,7 +611,7 @@ def test_the_amx_product_gives_the_vector_tiles_floats(tmp_path, monkeypatch):
             fused = BlockLinear(parts)
             x = torch.randn(130, k, generator=generator) * 3
             act = act_blocks(x)
-            for rows in (16, 17, 31, 32, 33, 47, 64, 130):
+            for rows in (13, 16, 17, 31, 32, 33, 47, 64, 130):
                 rows_act = blocks.ActivationBlocks(*(None if t is None else t[:rows] for t in act))
                 for count in (1, 2):
                     torch.set_num_threads(count)

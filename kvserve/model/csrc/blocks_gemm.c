@@ -53,8 +53,9 @@
  * The layout is the same for every instruction set (panels of 16 columns). AVX512 takes a
  * panel in one vector; AVX2 in two, side by side for tiles of 1-2 rows, or in two passes for
  * tiles of 4 rows (whose sums fill its 16 registers).
- * Tiles: up to 4 rows on AVX2, 8 on AVX512 (4 for the K-quants, see K_ROWS); each weight
- * record is unpacked once per tile, so at 8-32 rows the unpacking is shared by 4-8 rows. Measured on the shared AVX2 machine (kvserve/bench/blocks_bench.py, the
+ * Tiles: up to 4 rows on AVX2, 8 on AVX512 (4 for the K-quants' finer form); each weight
+ * record is unpacked once per tile, so at 8-32 rows the unpacking is shared by 4-8 rows.
+ * Measured on the shared AVX2 machine (kvserve/bench/blocks_bench.py, the
  * 1.5B's products of a decode step in Q4_K and Q6_K, 4 layers, against kvserve_int8_gemm on
  * the same shapes): at 32 rows 1.0x (2 threads) to 1.4x (1 thread) int8's speed, at 8 rows
  * 1.3-1.9x, at 1 row 2.6-2.8x (the blocks' fewer bytes).
@@ -646,7 +647,7 @@ void kvserve_blocks_silu_mul(const float *gate_up, int64_t rows, int64_t width, 
 #include <immintrin.h>
 #define BLOCKS_ISA 3
 #define VW 16 /* columns per vector */
-#define MR 8  /* rows per tile at most (K-quants: 4, see K_ROWS) */
+#define MR 8  /* rows per tile at most (the K-quants' finer form: 4, see K_FINE_ROWS) */
 typedef __m512i vi;
 typedef __m512 vf;
 
@@ -979,9 +980,20 @@ ALWAYS void block_sums8(const int MR_, const int NV, const int fine, const uint8
  * 32 rows): prefetchnta 23.2 / 24.1 / 107.5, none 19.4 / 23.3 / 61.8, prefetcht0 15.0 / 16.0 /
  * 54.8 (at 768 B or 3 KB the same, prefetcht1 the same): there 81% of the 1-row product's
  * samples waited at the prefetchnta. */
+/*
+ * The K-quants' 8-bit form spreads its prefetches over the record instead: each sub-block
+ * prefetches its share of the lines, 1.5 KB ahead for tiles of 1-2 rows and 3 KB for 4-8. All
+ * of a record's 37-53 lines asked at once fill the core's line-fill buffers, and the 8-row tile
+ * then waited at the prefetch (42% of its samples on the instruction after it) while its sums
+ * had nothing in flight to overlap. Measured on the Sapphire Rapids machine (the 1.5B's products
+ * of a decode step, 28 layers, 2 threads, 14 alternated rounds, min): 8 rows 68.2 ms at 1.5 KB,
+ * 62.4 at 3 KB (the burst: 70.2); 1, 2 and 4 rows within the noise of the burst; the AVX2 build
+ * unchanged (1, 4, 8 rows).
+ */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 1536
 #endif
+#define SPREAD_AHEAD(rows) ((rows) >= 4 ? 3072 : 1536)
 #ifdef KVSERVE_PREFETCH_NTA
 #define PREFETCH_LOCALITY 0
 #else
@@ -997,12 +1009,13 @@ ALWAYS void block_sums8(const int MR_, const int NV, const int fine, const uint8
  */
 ALWAYS void tile_products(const int format, const int MR_, const int NV, const int fine,
                           const uint8_t *panel, int64_t records, int64_t lane,
-                          const tile_rows *rows, vf res[][2]) {
+                          const tile_rows *rows, vf res[][2], float *held) {
     const format_info *f = &FORMATS[format_slot(format)];
     vi acc[MR][2];
     for (int64_t r = 0; r < records; r++) {
         const uint8_t *rec = panel + r * f->record;
-        if (lane == 0)
+        const int spread = f->values == 256 && !fine; /* prefetched sub-block by sub-block */
+        if (lane == 0 && !spread)
             for (int64_t at = 0; at < f->record; at += 64)
                 __builtin_prefetch(rec + PREFETCH_AHEAD + at, 0, PREFETCH_LOCALITY);
         vf d[2];
@@ -1053,6 +1066,13 @@ ALWAYS void tile_products(const int format, const int MR_, const int NV, const i
             for (int i = 0; i < MR_; i++)
                 for (int v = 0; v < NV; v++) acc[i][v] = vi_zero();
             _Pragma("GCC unroll 1") for (int j = 0; j < subs; j++) {
+                if (lane == 0 && spread) {
+                    const int64_t from = f->record * j / subs / 64 * 64;
+                    const int64_t to =
+                        j == subs - 1 ? f->record : f->record * (j + 1) / subs / 64 * 64;
+                    for (int64_t at = from; at < to; at += 64)
+                        __builtin_prefetch(rec + SPREAD_AHEAD(MR_) + at, 0, PREFETCH_LOCALITY);
+                }
                 vi scale[2];
                 for (int v = 0; v < NV; v++)
                     scale[v] = vi_scales(rec + f->sc + 16 * j + BYTES(v), six);
@@ -1092,15 +1112,22 @@ ALWAYS void tile_products(const int format, const int MR_, const int NV, const i
             _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
                 const vf ev = vf_set(rows->e[i * (rows->k / 32) + 8 * r]);
                 _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
+                    const vf before = held ? vf_load(held + (2 * i + v) * VW) : res[i][v];
+                    vf after;
                     if (six) {
                         const vi total = vi_sub32(acc[i][v], vi_sll32(off[i][v], 5));
-                        res[i][v] = vf_fma(vf_cvt(total), vf_mul(d[v], ev), res[i][v]);
+                        after = vf_fma(vf_cvt(total), vf_mul(d[v], ev), before);
                     } else {
-                        const vf base = vf_fnma(vf_cvt(off[i][v]), vf_mul(dmin[v], ev), res[i][v]);
-                        res[i][v] = vf_fma(vf_cvt(acc[i][v]), vf_mul(d[v], ev), base);
+                        const vf base = vf_fnma(vf_cvt(off[i][v]), vf_mul(dmin[v], ev), before);
+                        after = vf_fma(vf_cvt(acc[i][v]), vf_mul(d[v], ev), base);
                     }
+                    if (held)
+                        vf_store(held + (2 * i + v) * VW, after);
+                    else
+                        res[i][v] = after;
                 }
             }
+            if (held) __asm__ volatile("" : : "r"(held) : "memory");
         } else if (format == KVSERVE_BLOCKS_Q6_K) {
             /* sub-blocks of 16, each finished (float update) before the next: one sum a row */
             _Pragma("GCC unroll 1") for (int j = 0; j < 16; j++) {
@@ -1158,10 +1185,19 @@ ALWAYS void tile_pass(const int format, const int MR_, const uint8_t *panel, int
     vf res[MR][2];
     for (int i = 0; i < MR_; i++)
         for (int v = 0; v < NV; v++) res[i][v] = vf_zero();
-    if (rows->r) /* each form its own code */
-        tile_products(format, MR_, NV, 1, panel, records, lane, rows, res);
+    /* 8 rows of the K-quants in their 8-bit form: the results wait in memory between
+     * super-blocks (one load and store a row per 256 inputs), leaving the registers to the sums */
+    const int hold = MR_ == 8 && FORMATS[format_slot(format)].values == 256 && !rows->r;
+    float held[MR * 2 * VW] __attribute__((aligned(64)));
+    if (hold) {
+        memset(held, 0, sizeof held);
+        tile_products(format, MR_, NV, 0, panel, records, lane, rows, res, held);
+        for (int i = 0; i < MR_; i++)
+            for (int v = 0; v < NV; v++) res[i][v] = vf_load(held + (2 * i + v) * VW);
+    } else if (rows->r) /* each form its own code */
+        tile_products(format, MR_, NV, 1, panel, records, lane, rows, res, NULL);
     else
-        tile_products(format, MR_, NV, 0, panel, records, lane, rows, res);
+        tile_products(format, MR_, NV, 0, panel, records, lane, rows, res, NULL);
     float tail[VW];
     for (int v = 0; v < NV && v * VW < cols; v++) {
         const int64_t width = cols - v * VW < VW ? cols - v * VW : VW;
@@ -1196,10 +1232,13 @@ typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const tile_rows *, co
 
 /* Tiles of 1, 2, 4 (and 8) rows; other counts go as sums of these (7 = 4 + 2 + 1): a row's
  * result is the same in any tile, and half the instances compile in half the time.
- * The K-quants stop at 4 rows (K_ROWS): their sub-block scales and offsets take registers that
- * 8 rows' sums and results need, and the spills cost more than the shared unpacking saves
- * (measured on the AVX512 machine, the 1.5B's products: 8 rows 11% and 16 rows 19% faster in
- * tiles of 4; the 32-wide formats, the 0.5B's Q5_0, stay faster in tiles of 8). */
+ * The K-quants' tiles of 8 rows keep their results in memory between super-blocks (`held` in
+ * tile_pass): their sub-block scales and offsets take registers that 8 rows' sums and results
+ * would need at once, and with the results in registers the spills cost more than the shared
+ * unpacking saved (8 rows had been 11% faster in two tiles of 4). Held, 8 rows went from 78.7
+ * to 70.2 ms (the products of a decode step of the 1.5B, Sapphire Rapids, 2 threads, the
+ * burst prefetch; 62.4 ms with the spread one above). In the finer form (a second sum a row)
+ * they stop at 4 rows (K_FINE_ROWS). */
 #define DEFINE_TILES_4(NAME, FORMAT)                                                               \
     DEFINE_TILE(NAME, FORMAT, 1)                                                                   \
     DEFINE_TILE(NAME, FORMAT, 2)                                                                   \
@@ -1218,16 +1257,16 @@ typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const tile_rows *, co
 #else
 #define DEFINE_TILES(NAME, FORMAT) DEFINE_TILES_4(NAME, FORMAT)
 #endif
-#define K_ROWS (MR < 4 ? MR : 4)
+#define K_FINE_ROWS (MR < 4 ? MR : 4)
 
 DEFINE_TILES(q4_0, KVSERVE_BLOCKS_Q4_0)
 DEFINE_TILES(q4_1, KVSERVE_BLOCKS_Q4_1)
 DEFINE_TILES(q5_0, KVSERVE_BLOCKS_Q5_0)
 DEFINE_TILES(q5_1, KVSERVE_BLOCKS_Q5_1)
 DEFINE_TILES(q8_0, KVSERVE_BLOCKS_Q8_0)
-DEFINE_TILES_4(q4_k, KVSERVE_BLOCKS_Q4_K)
-DEFINE_TILES_4(q5_k, KVSERVE_BLOCKS_Q5_K)
-DEFINE_TILES_4(q6_k, KVSERVE_BLOCKS_Q6_K)
+DEFINE_TILES(q4_k, KVSERVE_BLOCKS_Q4_K)
+DEFINE_TILES(q5_k, KVSERVE_BLOCKS_Q5_K)
+DEFINE_TILES(q6_k, KVSERVE_BLOCKS_Q6_K)
 
 static const tile_fn *tiles_of(int64_t format) {
     switch (format) {
@@ -1287,7 +1326,9 @@ static const tile_fn *tiles_of(int64_t format) {
  * 270-274 ms, 512 rows 1320-1328 ms (int8_gemm on the same shapes: 152-161, 217-242, 353-368,
  * 1542-1606 ms); 1 and 8 rows unchanged (the tiles above). With AMX_MIN_ROWS at 8, the tile
  * unit took 8 rows in 85 ms (the tiles above 89), 12 in 85 (106), 16 in 91-93 (111-117) and
- * 24 in 105 (141-160): it takes 16 rows and more.
+ * 24 in 105 (141-160). After the tiles took 8 rows of the K-quants at once (2026-12-07, the
+ * same bench, 8 alternated rounds, min): tile unit / tiles 9 rows 88.4 / 76.8 ms, 10 89.4 /
+ * 80.2, 12 90.3 / 86.3, 14 91.4 / 105.3, 16 86.7 / 100.4: it takes 13 rows and more.
  */
 #if BLOCKS_ISA == 3 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VBMI__)
 #define BLOCKS_AMX 1
@@ -1296,7 +1337,7 @@ static const tile_fn *tiles_of(int64_t format) {
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX_MIN_ROWS 16 /* rows of a call from which on the tile unit takes its K-quants */
+#define AMX_MIN_ROWS 13 /* rows of a call from which on the tile unit takes its K-quants */
 #define AMX_PANELS 4    /* panels of a unit: they share each pass over the activations */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -1648,7 +1689,8 @@ static void panel_tiles(const kvserve_blocks_weight *w, int64_t local, const int
     const uint8_t *data = w->packed + local * records * f->record;
     const int64_t column = local * PANEL, cols = w->n - column < PANEL ? w->n - column : PANEL;
     for (int64_t r = start, count; r < stop; r += count) {
-        count = f->values == 256 ? K_ROWS : MR; /* the largest tile that fits the rows left */
+        /* the largest tile that fits the rows left */
+        count = f->values == 256 && rest ? K_FINE_ROWS : MR;
         while (count > stop - r) count /= 2;
         const int64_t span = NV_FOR(count) * VW; /* columns of one pass */
         const tile_rows tile = {q + r * k, rest ? rest + r * k : NULL, scales + r * (k / 32),
