@@ -569,7 +569,8 @@ def test_the_amx_product_gives_the_vector_tiles_floats(tmp_path, monkeypatch):
     """The K-quants' 8-bit products of 13 rows and more on the tile unit (this process's
     kernels) equal the vector tiles' (the same source built again, KVSERVE_AMX=0 when it first
     asks), bit for bit: row counts not a multiple of 16 or 32, columns not a multiple of 16,
-    biases, fused parts with other formats between them, one and two threads."""
+    biases, fused parts with other formats between them, an output large enough to be
+    streamed past the caches, one and two threads."""
     lib = _blocks_library(tmp_path / "blocks_tiles.so", *kernel_build.compile_flags()[1:])
     monkeypatch.setenv("KVSERVE_AMX", "0")
     assert lib.kvserve_blocks_amx() == 0
@@ -598,6 +599,9 @@ def test_the_amx_product_gives_the_vector_tiles_floats(tmp_path, monkeypatch):
         for n, k in ((40, 512), (300, 768))
     ]
     cases.append([from_raw("Q6_K", random_raw("Q6_K", 37, 256))])  # no bias
+    # 130 rows of 16,400 columns: an output past AMX_STREAM_BYTES, written around the caches
+    # (but its last unit, of one panel)
+    cases.append([from_raw("Q4_K", random_raw("Q4_K", 16400, 256), torch.randn(16400))])
     cases.append([
         from_raw(qtype, random_raw(qtype, n, 512, seed=i), torch.randn(n, generator=generator))
         for i, (qtype, n) in enumerate(

@@ -1339,6 +1339,7 @@ static const tile_fn *tiles_of(int64_t format) {
 
 #define AMX_MIN_ROWS 13 /* rows of a call from which on the tile unit takes its K-quants */
 #define AMX_PANELS 4    /* panels of a unit: they share each pass over the activations */
+#define AMX_STREAM_BYTES (8 << 20) /* outputs from which on the results bypass the caches */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -1648,17 +1649,36 @@ ALWAYS int amx_unit_format(const int six, const kvserve_blocks_weight *w, int64_
     }
     amx_update(six, x, last_o, last_b, last_r, last_count, c[slot ^ 1], last_res,
                AMX_PANELS * 16);
+    /* The results, row by row (the unit's columns of a row are adjacent). Where the call's
+     * output is larger than the caches it could stay in (AMX_STREAM_BYTES) and the unit's
+     * columns are whole aligned lines, they go around the caches (vmovntps): each line is
+     * written without first being read. Measured (Sapphire Rapids, 2 threads, a prefill of
+     * 8 x 104 prompt tokens of the 1.5B, whose gate|up output is 60 MB a layer; 2 alternated
+     * rounds): 3.08-3.44 s, 2.88-3.02 s row by row, 2.82-2.90 s streamed. */
+    __mmask16 keep[AMX_PANELS];
+    vf bias[AMX_PANELS];
+    float *const at = out + first * PANEL;
+    int stream = rows * ldc * (int64_t)sizeof(float) >= AMX_STREAM_BYTES &&
+                 (uintptr_t)at % 64 == 0 && ldc % 16 == 0;
     for (int pp = 0; pp < count; pp++) {
         const int64_t column = (first + pp) * PANEL;
         const int64_t cols = w->n - column < PANEL ? w->n - column : PANEL;
-        const __mmask16 keep_cols = (__mmask16)((1u << cols) - 1);
-        const vf bias = w->bias ? _mm512_maskz_loadu_ps(keep_cols, w->bias + column) : vf_zero();
-        for (int64_t i = 0; i < rows; i++) {
+        keep[pp] = (__mmask16)((1u << cols) - 1);
+        stream &= cols == PANEL;
+        bias[pp] = w->bias ? _mm512_maskz_loadu_ps(keep[pp], w->bias + column) : vf_zero();
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        float *o = at + i * ldc;
+        for (int pp = 0; pp < count; pp++) {
             vf value = _mm512_load_ps(res + (i * AMX_PANELS + pp) * 16);
-            if (w->bias) value = vf_add(value, bias);
-            _mm512_mask_storeu_ps(out + i * ldc + column, keep_cols, value);
+            if (w->bias) value = vf_add(value, bias[pp]);
+            if (stream)
+                _mm512_stream_ps(o + 16 * pp, value);
+            else
+                _mm512_mask_storeu_ps(o + 16 * pp, keep[pp], value);
         }
     }
+    if (stream) _mm_sfence(); /* the streamed lines visible before the call returns */
     return 0;
 }
 
