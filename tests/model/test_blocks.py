@@ -301,7 +301,7 @@ def test_fused_parts_keep_their_formats_and_equal_separate_products():
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_a_row_does_not_depend_on_its_batch_mates_or_the_threads(qtype, fine):
     """Rows alone, in a batch of 37 (tiles of several rows, rows cut in chunks over few
-    panels) and on one thread give the same floats."""
+    panels, the last rows padded to a tile) and on one thread give the same floats."""
     k = 512
     weight = from_raw(qtype, random_raw(qtype, 40, k), torch.randn(40))
     wide = from_raw(qtype, random_raw(qtype, 300, k))
@@ -319,6 +319,9 @@ def test_a_row_does_not_depend_on_its_batch_mates_or_the_threads(qtype, fine):
         for row in (0, 4, 5, 36):
             assert torch.equal(w.apply(x[row : row + 1], fine)[0], together[row])
         assert torch.equal(w.apply_blocks(act_blocks(x[3:9], fine)), together[3:9])
+        # rows left after whole tiles go as one tile with zero rows after them (3 -> 4, 5-7 -> 8)
+        for count in (3, 5, 7, 13):
+            assert torch.equal(w.apply_blocks(act_blocks(x[:count], fine)), together[:count])
 
 
 @needs_product
