@@ -1187,9 +1187,11 @@ ALWAYS void tile_pass(const int format, const int MR_, const uint8_t *panel, int
     vf res[MR][2];
     for (int i = 0; i < MR_; i++)
         for (int v = 0; v < NV; v++) res[i][v] = vf_zero();
-    /* 8 rows of the K-quants in their 8-bit form: the results wait in memory between
-     * super-blocks (one load and store a row per 256 inputs), leaving the registers to the sums */
-    const int hold = MR_ == 8 && FORMATS[format_slot(format)].values == 256 && !rows->r;
+    /* 8 rows of the K-quants, always in their 8-bit form (panel_tiles gives the finer form tiles
+     * of K_FINE_ROWS, so no finer-form code is built for these): the results wait in memory
+     * between super-blocks (one load and store a row per 256 inputs), leaving the registers to
+     * the sums */
+    const int hold = MR_ == 8 && FORMATS[format_slot(format)].values == 256;
     float held[MR * 2 * VW] __attribute__((aligned(64)));
     if (hold) {
         memset(held, 0, sizeof held);
