@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -203,6 +207,51 @@ def test_a_k_quant_draft_is_loaded_with_q4_0_layers_and_answers_the_same(qwen05_
         got = llm.generate([prompt], params)[0].outputs[0].token_ids
     assert list(got) == list(expected)
     assert observer.drafted > 0 and observer.accepted >= observer.drafted // 2
+
+
+def test_a_draft_engine_starts_no_openmp_pool_off_the_device_thread(qwen05_path, tmp_path):
+    """Building an engine with a K-quant draft (its layers and its guess head requantized)
+    runs every parallel kernel on the device thread: libgomp gives each thread that opens a
+    parallel region a pool of its own, and a second pool on a 2-core machine makes the workers
+    of both sleep between regions (their spin is cut short once threads outnumber the cores),
+    so every later region pays a wake-up. Measured before this held (the 1.5B with the 0.5B as
+    its draft, one stream, the editing bench): 21.3-21.8 -> 24.8-25.4 tok/s. In a process of
+    its own: any kernel the test process ran on its main thread would already have that pool."""
+    script = tmp_path / "pools.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import json, os, threading
+            from kvserve.config import DeviceConfig
+            from kvserve.engine.llm import LLM
+            from kvserve.model.loader import load_model
+            from kvserve.params import SamplingParams
+
+            def foreign():  # the process's threads that Python did not start (libgomp's workers)
+                python = {{t.native_id for t in threading.enumerate()}}
+                return {{int(t) for t in os.listdir("/proc/self/task")}} - python
+
+            path = {str(qwen05_path)!r}
+            params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+            loaded = load_model(path, DeviceConfig(device="cpu"))
+            with LLM(loaded=loaded, max_num_seqs=2, max_model_len=256) as llm:
+                llm.generate(["def f(x):"], params)  # the device thread's pool exists now
+            before = foreign()
+            spec = {{"model": path, "num_speculative_tokens": 2, "disable_when_slower": False}}
+            with LLM(loaded=loaded, max_num_seqs=2, max_model_len=256, speculative_config=spec) as llm:
+                assert llm.engine.guess_head is not None
+                llm.generate(["def f(x):"], params)
+                print(json.dumps({{"new": sorted(foreign() - before), "before": len(before)}}))
+            """
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    threads = json.loads(result.stdout.splitlines()[-1])
+    assert threads["before"] >= 1  # the device thread's worker (and numpy's and torch's own)
+    assert threads["new"] == []
 
 
 # The word prompts through a small pool, with cancels, slow consumers, n > 1, grammars and the
