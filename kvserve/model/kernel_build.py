@@ -212,6 +212,7 @@ FAMILIES: tuple[Family, ...] = (
         "int8_gemm.h",
         (
             _S("kvserve_int8_gemm_available", "i32", ""),
+            _S("kvserve_int8_gemm_amx", "i32", ""),
             _S(
                 "kvserve_int8_gemm",
                 None,

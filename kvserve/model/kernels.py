@@ -195,8 +195,9 @@ class CpuKernels:
     Capabilities (plain fields, fixed at load): `families` (the names built), `failures`
     (family -> why not), `cpu_extensions` (the vector instructions this CPU has, of those the
     kernels use), `int8_gemm_isa` ("AVX512-VNNI" | "AVX2" | None), `f32_row_product`, `kv_int8`,
-    `q4` (booleans: that path runs on this CPU), `blocks_amx_rows` (the rows from which on the
-    block products take AMX-INT8, 0: never), `directory` (where the objects are cached).
+    `q4` (booleans: that path runs on this CPU), `blocks_amx_rows` and `int8_amx_rows` (the rows
+    from which on the block and the int8 products take AMX-INT8, 0: never), `directory` (where
+    the objects are cached).
     """
 
     def __init__(
@@ -223,6 +224,8 @@ class CpuKernels:
             return int(fn()) if fn is not None else 0
 
         self.int8_gemm_isa: str | None = INT8_GEMM_ISAS.get(probe("kvserve_int8_gemm_available"))
+        # the rows from which on the int8 products run on AMX-INT8 (0: never)
+        self.int8_amx_rows = probe("kvserve_int8_gemm_amx") if self.int8_gemm_isa else 0
         self.f32_row_product = bool(probe("kvserve_f32_gemm_available"))
         self.kv_int8 = bool(probe("kvserve_kv_int8_available")) and self.has("attention")
         self.q4 = bool(probe("kvserve_q4_available")) and self.has("layer_ops", "attention")
@@ -281,7 +284,8 @@ class CpuKernels:
         isa = "+".join(self.cpu_extensions) or "baseline x86-64"
         paths = []
         if self.int8_gemm_isa:
-            paths.append(f"int8 products by {self.int8_gemm_isa}")
+            amx = f", AMX-INT8 from {self.int8_amx_rows} rows" if self.int8_amx_rows else ""
+            paths.append(f"int8 products by {self.int8_gemm_isa}{amx}")
         if self.f32_row_product:
             paths.append("float32 row product")
         if self.blocks_isa:
@@ -300,6 +304,7 @@ class CpuKernels:
             "failures": dict(self.failures),
             "cpu_extensions": list(self.cpu_extensions),
             "int8_gemm": self.int8_gemm_isa,
+            "int8_amx_rows": self.int8_amx_rows,
             "f32_row_product": self.f32_row_product,
             "kv_int8": self.kv_int8,
             "q4": self.q4,

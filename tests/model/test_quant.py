@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -271,7 +273,21 @@ def test_rotate_rows_is_a_product_that_ignores_batch_mates(native):
 @needs_kernels
 @pytest.mark.parametrize(
     ("rows", "n", "k"),
-    [(1, 960, 576), (5, 100, 64), (12, 576, 1536), (13, 576, 576), (64, 3072, 576), (7, 64, 4)],
+    [
+        (1, 960, 576),
+        (5, 100, 64),
+        (12, 576, 1536),
+        (13, 576, 576),
+        (64, 3072, 576),
+        (7, 64, 4),
+        # the tile unit's (where the CPU has one): whole and partial groups of 16 rows, an odd
+        # number of column blocks cut by rows, inner sizes that are not a multiple of 64
+        (2, 960, 576),
+        (16, 192, 64),
+        (37, 576, 1536),
+        (50, 100, 128),
+        (21, 64, 96),
+    ],
 )
 def test_int8_gemm_is_exact(rows, n, k, native):
     g = torch.Generator().manual_seed(rows * n + k)
@@ -282,6 +298,47 @@ def test_int8_gemm_is_exact(rows, n, k, native):
     assert torch.equal(got.long(), a.long() @ w.long().t())
     # a row's result does not depend on the rows beside it
     assert torch.equal(native.int8_gemm(a[-1:].contiguous(), panels, correction, n)[0], got[-1])
+
+
+@needs_kernels
+def test_the_int8_products_vector_path_beside_its_tile_path(native, tmp_path, monkeypatch):
+    """Where the CPU has AMX-INT8, products of 2 rows and more run on the tile unit (the banner
+    says from how many rows); the vector path they leave (int8_gemm.c built again with
+    KVSERVE_AMX=0 when it first asks) gives the same integers for the same cases, so both stay
+    tested on such a machine. Elsewhere the threshold is 0 and the banner says nothing of it."""
+    import ctypes
+    import subprocess
+
+    from kvserve.model import kernel_build
+
+    rows = native.int8_amx_rows
+    assert rows in ((2,) if kernel_build.cpu_has_amx() and native.int8_gemm_isa == "AVX512-VNNI"
+                    and os.environ.get("KVSERVE_AMX") != "0" else (0,))  # fmt: skip
+    assert ("int8 products by AVX512-VNNI, AMX-INT8 from 2 rows" in native.describe()) == (rows > 0)
+    assert native.as_dict()["int8_amx_rows"] == rows
+    source = Path(kernel_build.__file__).parent / "csrc" / "int8_gemm.c"
+    library = tmp_path / "int8_vectors.so"
+    built = subprocess.run(
+        [kernel_build.find_compiler(), "-O2", *kernel_build.compile_flags()[1:], "-shared",
+         str(source), "-o", str(library)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    lib = ctypes.CDLL(str(library))
+    for symbol in next(f for f in kernel_build.FAMILIES if f.name == "int8_gemm").symbols:
+        symbol.bind(lib)
+    monkeypatch.setenv("KVSERVE_AMX", "0")
+    assert lib.kvserve_int8_gemm_amx() == 0
+    for m, n, k in [(2, 960, 576), (5, 100, 64), (16, 192, 64), (37, 576, 1536), (50, 100, 128)]:
+        g = torch.Generator().manual_seed(m * n + k)
+        w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+        panels, correction = quant.pack_int8_weight(w)
+        vectors = torch.empty(m, n, dtype=torch.int32)
+        lib.kvserve_int8_gemm(a.data_ptr(), m, k, panels.data_ptr(), correction.data_ptr(), n,
+                              vectors.data_ptr(), 2)  # fmt: skip
+        assert torch.equal(vectors.long(), a.long() @ w.long().t())
+        assert torch.equal(native.int8_gemm(a, panels, correction, n), vectors)
 
 
 @needs_kernels
