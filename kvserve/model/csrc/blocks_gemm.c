@@ -1337,40 +1337,24 @@ static const tile_fn *tiles_of(int64_t format) {
 #if BLOCKS_ISA == 3 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VBMI__)
 #define BLOCKS_AMX 1
 #include <pthread.h>
-#include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx.h"
 
 #define AMX_MIN_ROWS 13 /* rows of a call from which on the tile unit takes its K-quants */
 #define AMX_PANELS 4    /* panels of a unit: they share each pass over the activations */
 #define AMX_STREAM_BYTES (8 << 20) /* outputs from which on the results bypass the caches */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 static int amx_on;
 static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 
-static void amx_setup(void) {
-    const char *asked = getenv("KVSERVE_AMX");
-    if (asked && strcmp(asked, "0") == 0) return;
-    amx_on = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
+static void amx_setup(void) { amx_on = amx_permitted(); }
 
 int kvserve_blocks_amx(void) {
     pthread_once(&amx_once, amx_setup);
     return amx_on ? AMX_MIN_ROWS : 0;
 }
 
-/* The tile configuration: palette 1, tiles 0-7 of 16 rows of 64 bytes. A constant, never
- * built on the stack (an on-stack one whose zeroing the compiler dropped faulted ldtilecfg). */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-static const amx_config AMX_CONFIG __attribute__((aligned(64))) = {
-    1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
-/* tiles 0-3: the sums C (lo and hi of rows 0-15, then of rows 16-31), 4, 5: A (rows 0-15,
+/* The tiles of AMX_CONFIG (amx.h): 0-3: the sums C (lo and hi of rows 0-15, then of rows 16-31), 4, 5: A (rows 0-15,
  * 16-31), 6, 7: B (lo, hi) */
 
 /* A thread's buffer `slot` (0: a unit's expanded weights, 1: its float sums, 2: the call's

@@ -39,9 +39,8 @@
  * from 1.71-1.81x a 1-row step's time to 1.45-1.50x.
  */
 #include <pthread.h>
-#include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx.h"
 #define INT8_AMX 1
 
 #ifndef INT8_AMX_MIN_ROWS
@@ -51,28 +50,14 @@
  * overlap its loads' misses as the vector loads do (5 rows of the default model's layers cost
  * 2x the 1-row vector product without it, in the engine's verify steps) */
 #define INT8_AMX_AHEAD 4096
-#define INT8_ARCH_REQ_XCOMP_PERM 0x1023
-#define INT8_XFEATURE_XTILEDATA 18
 
 static int int8_amx_on;
 static pthread_once_t int8_amx_once = PTHREAD_ONCE_INIT;
 
-static void int8_amx_setup(void) {
-    const char *asked = getenv("KVSERVE_AMX");
-    if (asked && strcmp(asked, "0") == 0) return;
-    int8_amx_on =
-        syscall(SYS_arch_prctl, INT8_ARCH_REQ_XCOMP_PERM, INT8_XFEATURE_XTILEDATA) == 0;
-}
+static void int8_amx_setup(void) { int8_amx_on = amx_permitted(); }
 
-/* palette 1, tiles 0-7 of 16 rows of 64 bytes: 0-3 the sums of a block's 4 x 16 columns,
- * 4 the rows (A), 5-7 the weights (B) in turn */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} int8_amx_config;
-static const int8_amx_config INT8_AMX_CONFIG __attribute__((aligned(64))) = {
-    1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+/* The tiles of AMX_CONFIG (amx.h): 0-3 the sums of a block's 4 x 16 columns, 4 the rows (A),
+ * 5-7 the weights (B) in turn */
 
 /* One block of 64 columns for 16 rows at a (row stride lda; `live` of them stored). */
 static inline void amx_block(const int8_t *a, int64_t lda, int64_t live, const int8_t *panel,
@@ -112,8 +97,8 @@ static inline void amx_block(const int8_t *a, int64_t lda, int64_t live, const i
     }
 }
 
-/* A thread's copy of the call's last rows (fewer than 16) with zero rows after them, 16 x k;
- * NULL when memory runs out. */
+/* The calling thread's buffer for the call's last rows (fewer than 16) with zero rows after
+ * them, 16 x k, grown as needed; NULL when memory runs out. */
 static int8_t *amx_tail(int64_t k) {
     static _Thread_local int8_t *buffer;
     static _Thread_local int64_t size;
@@ -126,8 +111,8 @@ static int8_t *amx_tail(int64_t k) {
 }
 
 /* kvserve_int8_gemm on the tile unit: tasks of (block, chunk of whole 16-row groups); 0, or -1
- * when a thread has no memory for the tail rows' copy (the caller then takes the vector path
- * for the whole call, its results the same). */
+ * without memory for the tail rows' copy (the caller then takes the vector path, its results
+ * the same). */
 static int amx_gemm(const int8_t *a, int64_t rows, int64_t k, const int8_t *packed, int64_t n,
                     int32_t *c, int num_threads) {
     const int64_t blocks = (n + BLOCK_COLS - 1) / BLOCK_COLS, steps = k / 4;
@@ -136,18 +121,17 @@ static int amx_gemm(const int8_t *a, int64_t rows, int64_t k, const int8_t *pack
     const int64_t per = blocks % 2 && groups >= 2 ? (groups + 1) / 2 : groups;
     const int64_t chunks = (groups + per - 1) / per;
     const int parallel = blocks * chunks > 1 && rows * n * k >= (1 << 18);
-    int failed = 0;
-    _Pragma("omp parallel if (parallel) num_threads(num_threads) reduction(| : failed)") {
-        int8_t *padded = tail ? amx_tail(k) : NULL;
-        if (tail && padded) {
-            memcpy(padded, a + 16 * whole * k, (size_t)(tail * k));
-            memset(padded + tail * k, 0, (size_t)((16 - tail) * k));
-        }
-        failed = tail && !padded;
-        _tile_loadconfig(&INT8_AMX_CONFIG);
+    int8_t *padded = NULL; /* the last group, read by every thread */
+    if (tail) {
+        padded = amx_tail(k);
+        if (!padded) return -1;
+        memcpy(padded, a + 16 * whole * k, (size_t)(tail * k));
+        memset(padded + tail * k, 0, (size_t)((16 - tail) * k));
+    }
+    _Pragma("omp parallel if (parallel) num_threads(num_threads)") {
+        _tile_loadconfig(&AMX_CONFIG);
         _Pragma("omp for schedule(static)")
         for (int64_t task = 0; task < blocks * chunks; task++) {
-            if (failed) continue;
             const int64_t nb = task / chunks, first = (task % chunks) * per;
             const int64_t last = first + per < groups ? first + per : groups;
             const int8_t *panel = packed + nb * steps * BLOCK_COLS * 4;
@@ -160,7 +144,7 @@ static int amx_gemm(const int8_t *a, int64_t rows, int64_t k, const int8_t *pack
         }
         _tile_release();
     }
-    return failed ? -1 : 0;
+    return 0;
 }
 #endif
 
