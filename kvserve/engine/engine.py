@@ -347,12 +347,8 @@ class Engine:
                 spec.model, replace(config.device, requantize=spec.draft_requantize)
             )
             check_same_vocabulary(self.loaded.tokenizer, self.draft.tokenizer, spec.model)
-            # Its own 4-bit head where its head is in GGUF blocks (None: its logits' argmax),
-            # requantized on the device thread like the rest of the loading: a parallel kernel
-            # on this thread would start a second OpenMP pool (kvserve.model.device_thread).
-            self.guess_head = device_thread.call(
-                GuessHead.of, getattr(self.draft.model, "head", None)
-            )
+            # Its own 4-bit head where its head is in GGUF blocks (None: its logits' argmax).
+            self.guess_head = GuessHead.of(getattr(self.draft.model, "head", None))
         self.tokenizer = self.loaded.tokenizer
         if config.chat_template is not None:
             self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)

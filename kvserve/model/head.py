@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.model import device_thread
 from kvserve.model.kernels import CpuKernels
 from kvserve.model.linear.float import FloatLinear
 from kvserve.model.linear.int8 import Int8Linear
@@ -239,8 +240,12 @@ class GuessHead:
     @classmethod
     def of(cls, head) -> GuessHead | None:
         """The guess head of a model's head, or None where it has none (a float or int8 head:
-        the draft samples its full logits)."""
-        return head.guess_head() if isinstance(head, BlockHead) else None
+        the draft samples its full logits). Made on the device thread, as a load is: its
+        requantization runs parallel kernels, which on another thread would start a second
+        OpenMP pool (kvserve.model.device_thread)."""
+        if not isinstance(head, BlockHead):
+            return None
+        return device_thread.call(head.guess_head)
 
     def _requantized(self, head: BlockHead):
         """The product of the head's first GUESS_VOCAB rows in GUESS_QTYPE, from the file's
