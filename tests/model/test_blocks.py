@@ -251,10 +251,11 @@ def test_product_matches_the_dequantized_reference(qtype, rows, n, k, fine):
 @needs_product
 def test_extreme_codes_and_activations_stay_exact():
     """Every weight code at its largest (and Q8_0 at -128) against activations of +-127 and
-    the largest sums: the bounds that keep vpmaddubsw from saturating."""
+    the largest sums: the bounds that keep vpmaddubsw from saturating (34 rows: on AVX2 the
+    K-quants' 8-bit form of 32 rows and more goes record by record, with its own sums)."""
     k, n = 512, 32
-    x = torch.full((2, k), 3.0)
-    x[1, ::2] = -3.0
+    x = torch.full((34, k), 3.0)
+    x[1::2, ::2] = -3.0
     act = act_blocks(x)
     assert int(act.q.abs().min()) == 127
     # and the finer form at its extremes: 16 * 127 + 8
@@ -522,11 +523,12 @@ def test_the_avx2_product_gives_this_machines_floats(tmp_path):
     """Built for AVX2 without VNNI (vpmaddubsw's int16 pair sums, the sub-block scales applied
     by vpmaddwd), the product gives the same float32 results as this machine's build, bit for
     bit, in both activation forms and tiles of 1, 2, 4 and 8 rows (and 7 = 4 + 2 + 1, 15 = 8 +
-    4 + 2 + 1: this machine's AVX512 tiles take 8 rows, AVX2's 4)."""
+    4 + 2 + 1: this machine's AVX512 tiles take 8 rows, AVX2's 4), and from 32 rows on, where
+    AVX2 takes the K-quants' 8-bit form record by record (33, 40: tiles of 4, 2 and 1)."""
     lib = _blocks_library(tmp_path / "blocks_avx2.so", "-march=haswell", *kernel_build.FLAGS[2:])
     assert lib.kvserve_blocks_isa() == 1 and lib.kvserve_blocks_amx() == 0
     k, n = 512, 40
-    x = torch.randn(15, k) * 3
+    x = torch.randn(40, k) * 3
     for fine in (False, True):
         act = act_blocks(x, fine)
         for qtype in FORMATS:
@@ -535,7 +537,7 @@ def test_the_avx2_product_gives_this_machines_floats(tmp_path):
                 BlocksWeightStruct(weight.packed.data_ptr(), weight.bias.data_ptr(), n,
                                    block_format(qtype).ggml_type)
             )  # fmt: skip
-            for rows in (1, 2, 4, 7, 8, 15):
+            for rows in (1, 2, 4, 7, 8, 15, 33, 40):
                 out = torch.empty(rows, n)
                 status = lib.kvserve_blocks_gemm(
                     act.q.data_ptr(), None if act.rest is None else act.rest.data_ptr(),

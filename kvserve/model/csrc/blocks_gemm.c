@@ -54,7 +54,9 @@
  * panel in one vector; AVX2 in two, side by side for tiles of 1-2 rows, or in two passes for
  * tiles of 4 rows (whose sums fill its 16 registers).
  * Tiles: up to 4 rows on AVX2, 8 on AVX512 (4 for the K-quants' finer form); each weight
- * record is unpacked once per tile, so at 8-32 rows the unpacking is shared by 4-8 rows.
+ * record is unpacked once per tile, so at 8-32 rows the unpacking is shared by 4-8 rows. On
+ * AVX2 the K-quants' 8-bit form of 32 rows and more goes record by record instead, each record
+ * expanded once for all the rows ("many rows on AVX2" below).
  * Measured on the shared AVX2 machine (kvserve/bench/blocks_bench.py, the
  * 1.5B's products of a decode step in Q4_K and Q6_K, 4 layers, against kvserve_int8_gemm on
  * the same shapes): at 32 rows 1.0x (2 threads) to 1.4x (1 thread) int8's speed, at 8 rows
@@ -820,6 +822,45 @@ ALWAYS vi vi_bcast4(const int8_t *p) {
 ALWAYS vsum vsum_step_at(vsum s, vi u, const int8_t *p) { return vsum_step(s, u, vi_bcast4(p)); }
 #endif
 
+/* A thread's buffer `slot` of at least `bytes` (64-byte aligned), grown as needed and kept for
+ * the thread's life; NULL when memory runs out. Slots: the tile unit's 0 (a unit's expanded
+ * weights), 1 (its float sums), 2 (the call's activation tiles), 3 (their sums' pairs); the
+ * wide AVX2 path's 4 (a panel's float sums), 5 (its expanded record). */
+static void *thread_scratch(int slot, size_t bytes) {
+    static _Thread_local void *buffer[6];
+    static _Thread_local size_t size[6];
+    if (size[slot] < bytes) {
+        free(buffer[slot]);
+        bytes = (bytes + 4095) & ~(size_t)4095;
+        buffer[slot] = aligned_alloc(64, bytes);
+        size[slot] = buffer[slot] ? bytes : 0;
+    }
+    return buffer[slot];
+}
+
+static inline int32_t pair16(int32_t a, int32_t b) {
+    return (int32_t)((uint32_t)(uint16_t)a | ((uint32_t)(uint16_t)b << 16));
+}
+
+/* The K-quants' offsets in the 8-bit form: the pair (P_2t, P_2t+1) of a row's super-block
+ * (s: its sums of 16) that multiplies the pair of sub-block multipliers t (Q4_K, Q5_K: the
+ * mins m_g of sub-blocks of 32, t < 4; Q6_K: the scales sc_g of sub-blocks of 16, t < 8).
+ * |P| <= 32 * 127: an int16. */
+ALWAYS vi offset_pair(const int six, const int32_t *s, int t) {
+    const int32_t p0 = six ? s[2 * t] : s[4 * t] + s[4 * t + 1];
+    const int32_t p1 = six ? s[2 * t + 1] : s[4 * t + 2] + s[4 * t + 3];
+    return vi_set32(pair16(p0, p1));
+}
+
+/* The K-quants' float update of a row's super-block in the 8-bit form, e the row's scale for
+ * it: A = sum_g sc_g S_g, B = sum_g m_g P_g (Q4_K, Q5_K: res = fma(cvt(A), D e, res - cvt(B)
+ * dmin e)) or sum_g sc_g P_g (Q6_K: res = fma(cvt(A - 32 B), D e, res)). Every path that
+ * takes these products ends a super-block here, so they give the same floats. */
+ALWAYS vf kquant_update(const int six, vi a, vi b, vf d, vf dmin, vf ev, vf before) {
+    if (six) return vf_fma(vf_cvt(vi_sub32(a, vi_sll32(b, 5))), vf_mul(d, ev), before);
+    return vf_fma(vf_cvt(a), vf_mul(d, ev), vf_fnma(vf_cvt(b), vf_mul(dmin, ev), before));
+}
+
 /* `v` as it is, in a register: the integer sums are associative, and without this the compiler
  * regroups a tile's chains of additions into trees that hold every product at once (measured:
  * about 20 of the 16 vector registers spilled per block for 4 rows on AVX2). */
@@ -1097,12 +1138,7 @@ ALWAYS void tile_products(const int format, const int MR_, const int NV, const i
                     m[v] = vi_pairs(rec + at + 32 * t + BYTES(v), rec + at + 32 * t + 16 + BYTES(v),
                                     six);
                 _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
-                    const int32_t *s = rows->s + i * (rows->k / 16) + 16 * r;
-                    /* P over the two sub-blocks: |P| <= 32 * 127, an int16 */
-                    const int32_t p0 = six ? s[2 * t] : s[4 * t] + s[4 * t + 1];
-                    const int32_t p1 = six ? s[2 * t + 1] : s[4 * t + 2] + s[4 * t + 3];
-                    const vi pv = vi_set32((int32_t)((uint32_t)(uint16_t)p0 |
-                                                     ((uint32_t)(uint16_t)p1 << 16)));
+                    const vi pv = offset_pair(six, rows->s + i * (rows->k / 16) + 16 * r, t);
                     _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) off[i][v] =
                         vi_add_pairs(off[i][v], m[v], pv);
                 }
@@ -1114,14 +1150,8 @@ ALWAYS void tile_products(const int format, const int MR_, const int NV, const i
                 const vf ev = vf_set(rows->e[i * (rows->k / 32) + 8 * r]);
                 _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
                     const vf before = held ? vf_load(held + (2 * i + v) * VW) : res[i][v];
-                    vf after;
-                    if (six) {
-                        const vi total = vi_sub32(acc[i][v], vi_sll32(off[i][v], 5));
-                        after = vf_fma(vf_cvt(total), vf_mul(d[v], ev), before);
-                    } else {
-                        const vf base = vf_fnma(vf_cvt(off[i][v]), vf_mul(dmin[v], ev), before);
-                        after = vf_fma(vf_cvt(acc[i][v]), vf_mul(d[v], ev), base);
-                    }
+                    const vf after =
+                        kquant_update(six, acc[i][v], off[i][v], d[v], dmin[v], ev, before);
                     if (held)
                         vf_store(held + (2 * i + v) * VW, after);
                     else
@@ -1357,21 +1387,6 @@ int kvserve_blocks_amx(void) {
 /* The tiles of AMX_CONFIG (amx.h): 0-3: the sums C (lo and hi of rows 0-15, then of rows 16-31), 4, 5: A (rows 0-15,
  * 16-31), 6, 7: B (lo, hi) */
 
-/* A thread's buffer `slot` (0: a unit's expanded weights, 1: its float sums, 2: the call's
- * activation tiles, 3: their sums' pairs) of at least `bytes` (64-byte aligned), grown as
- * needed; NULL when memory runs out. */
-static void *amx_scratch(int slot, size_t bytes) {
-    static _Thread_local void *buffer[4];
-    static _Thread_local size_t size[4];
-    if (size[slot] < bytes) {
-        free(buffer[slot]);
-        bytes = (bytes + 4095) & ~(size_t)4095;
-        buffer[slot] = aligned_alloc(64, bytes);
-        size[slot] = buffer[slot] ? bytes : 0;
-    }
-    return buffer[slot];
-}
-
 /* One panel's super-block, expanded for the tile unit. */
 typedef struct __attribute__((aligned(64))) {
     uint8_t lo[4][16][64], hi[4][16][64]; /* B tiles per 64 inputs: [input / 4][column][4] */
@@ -1517,10 +1532,6 @@ static void amx_copy_tiles(const int8_t *q, int64_t rows, int64_t k, int64_t gro
         }
 }
 
-static inline int32_t pair16(int32_t a, int32_t b) {
-    return (int32_t)((uint32_t)(uint16_t)a | ((uint32_t)(uint16_t)b << 16));
-}
-
 static void amx_sum_pairs(const int32_t *sums, int64_t k, int64_t row, int32_t *pairs4) {
     for (int64_t b = 0; b < k / 256; b++) {
         const int32_t *s = sums + row * (k / 16) + 16 * b;
@@ -1546,16 +1557,13 @@ ALWAYS void amx_update(const int six, const amx_rows *x, const amx_block *o, int
                               vi_sll32(_mm512_load_si512((const void *)c[tile + 1][at]), 8));
         const vf ev = vf_set(x->e[(r + i) * (x->k / 32) + 8 * b]);
         float *out = res + i * stride;
-        const vf before = _mm512_load_ps(out);
-        if (six) {
-            _mm512_store_ps(out, vf_fma(vf_cvt(a), vf_mul(d, ev), before));
-        } else {
+        /* Q6_K: A has its offsets already (w = (u - 32) sc), B = 0 */
+        vi off = vi_zero();
+        if (!six) {
             const int32_t *p = x->pairs4 + ((r + i) * blocks + b) * 4;
-            vi off = vi_zero();
             for (int t = 0; t < 4; t++) off = vi_add_pairs(off, m[t], vi_set32(p[t]));
-            const vf base = vf_fnma(vf_cvt(off), vf_mul(dmin, ev), before);
-            _mm512_store_ps(out, vf_fma(vf_cvt(a), vf_mul(d, ev), base));
         }
+        _mm512_store_ps(out, kquant_update(six, a, off, d, dmin, ev, _mm512_load_ps(out)));
     }
 }
 
@@ -1569,8 +1577,8 @@ ALWAYS int amx_unit_format(const int six, const kvserve_blocks_weight *w, int64_
     const format_info *f = find_format(w->format);
     const int64_t blocks = x->k / 256, rows = x->rows, panels = (w->n + PANEL - 1) / PANEL;
     /* two super-blocks' expanded panels: this one's and the next one's */
-    amx_block *prep = amx_scratch(0, sizeof(amx_block) * 2 * AMX_PANELS);
-    float *res = amx_scratch(1, sizeof(float) * rows * AMX_PANELS * 16);
+    amx_block *prep = thread_scratch(0, sizeof(amx_block) * 2 * AMX_PANELS);
+    float *res = thread_scratch(1, sizeof(float) * rows * AMX_PANELS * 16);
     if (!prep || !res) return -1;
     for (int pp = 0; pp < count; pp++) {
         const uint8_t *rec = w->packed + (first + pp) * blocks * f->record;
@@ -1719,6 +1727,221 @@ static void panel_tiles(const kvserve_blocks_weight *w, int64_t local, const int
     }
 }
 
+#if BLOCKS_ISA == 1
+/*
+ * ---- many rows on AVX2: records expanded once, tiles of 4 rows x 16 columns ----------------
+ *
+ * From WIDE_MIN_ROWS rows on (prefill chunks, many streams), the K-quants' 8-bit form goes
+ * panel by panel with all the rows of the call: each record (a super-block of 16 columns) is
+ * expanded once into its bytes u ([64 steps of 4 inputs][16 columns][4], 4 KB, in L1) and its
+ * sub-block multipliers, then every tile of rows takes the panel's 16 columns in one pass, so
+ * that each broadcast of 4 row bytes feeds both 8-column vectors. The tiles above broadcast
+ * once per vpmaddubsw in their tiles of 4 rows (two passes of 8 columns: their sums fill the
+ * 16 registers), and on Zen 3 the broadcasts, not the multiplies, bound them. Measured in
+ * isolation (AMD EPYC Zen 3, one core, an expanded super-block and its rows in L1, MAC a
+ * cycle): 4 rows x 8 columns 18-31, 4 rows x 16 columns with the int32 sums in L1 between
+ * sub-blocks 37-39, against 37.6 for vpmaddubsw + vpaddw alone. Tiles of 4 rows keep their
+ * int32 sums in L1 (Q4_K, Q5_K: one update a sub-block); Q6_K, whose 6-bit sums widen every
+ * 2 steps, takes tiles of 2 rows with the sums in registers (WIDE_ROWS).
+ *
+ * The integer sums are the tiles' exact ones (the same int16 groups, the same multipliers),
+ * and a super-block ends in kquant_update as there: the same floats, bit for bit.
+ * Measured on that machine (the 1.5B's products of a step, 28 layers, 2 threads, alternated,
+ * min): 64 rows 660-674 -> 521-524 ms, 32 rows 310-335 -> 296-306, 16 rows 156-163 against
+ * 159-164 (equal), 8 rows 95-100 against 85-90 (worse: the expansion is shared by too few
+ * rows); one product at 512 rows (2 layers' shapes, 6 alternated rounds): q|k|v 11.3 ->
+ * 9.2 ms, o 7.6 -> 6.1, gate|up 103 -> 91, down (Q6_K) 64 -> 50. A prefill of 8 x 128
+ * tokens: 11.1-13.0 -> 9.3-9.5 s.
+ */
+#define WIDE_MIN_ROWS 32
+#define WIDE_ROWS(six) ((six) ? 2 : 4)
+
+/* A panel's record, expanded: the bytes u per step, and per vector of 8 columns the sub-block
+ * scales (as vpmaddwd multiplies them), the offsets' multiplier pairs, d and dmin. */
+typedef struct __attribute__((aligned(64))) {
+    uint8_t u[64][64];
+    vi scale[16][2], pairs[8][2];
+    vf d[2], dmin[2];
+} wide_record;
+
+/* Record `rec` of a K-quant expanded into o (the bytes as block_sums unpacks them), a line of
+ * the record `ahead` (NULL: none) prefetched with each of its 64 vectors of nibbles: a whole
+ * record asked at once fills the line-fill buffers (see PREFETCH_AHEAD). */
+ALWAYS void wide_expand(const int six, const format_info *f, const uint8_t *rec,
+                        const uint8_t *ahead, wide_record *o) {
+    const vi low4 = vi_bytes(0x0F), mask = vi_bytes(six ? 0x30 : 0x10);
+    const int subs = six ? 16 : 8, chunks = six ? 2 : 4; /* 16 or 32 inputs a sub-block */
+    for (int j = 0; j < subs; j++)
+        for (int v = 0; v < 2; v++) {
+            const uint8_t *nib = six ? rec + 256 * (j / 2) + 128 * (j % 2) : rec + 256 * j;
+            const vi high = f->high >= 0 ? vi_load(rec + f->high + 64 * j + 32 * v) : vi_zero();
+            for (int h = 0; h < chunks; h++) {
+                const int64_t line = 64 * ((2 * j + v) * chunks + h);
+                if (ahead && line < f->record)
+                    __builtin_prefetch(ahead + line, 0, PREFETCH_LOCALITY);
+                const vi w = vi_load(nib + 64 * h + 32 * v);
+                vi u0 = vi_and(w, low4), u1 = vi_and(vi_srl16(w, 4), low4);
+                if (six) {
+                    u0 = vi_or(u0, vi_and(to_bit4(high, 2 * (2 * h)), mask));
+                    u1 = vi_or(u1, vi_and(to_bit4(high, 2 * (2 * h + 1)), mask));
+                } else if (f->high >= 0) {
+                    u0 = vi_or(u0, vi_and(to_bit4(high, 2 * h), mask));
+                    u1 = vi_or(u1, vi_and(to_bit4(high, 2 * h + 1), mask));
+                }
+                const int step = 2 * chunks * j + 2 * h;
+                _mm256_store_si256((__m256i *)(o->u[step] + 32 * v), u0);
+                _mm256_store_si256((__m256i *)(o->u[step + 1] + 32 * v), u1);
+            }
+            o->scale[j][v] = vi_scales(rec + f->sc + 16 * j + 8 * v, six);
+        }
+    const int64_t at = six ? f->sc : f->mn;
+    for (int t = 0; t < subs / 2; t++)
+        for (int v = 0; v < 2; v++)
+            o->pairs[t][v] =
+                vi_pairs(rec + at + 32 * t + 8 * v, rec + at + 32 * t + 16 + 8 * v, six);
+    for (int v = 0; v < 2; v++) {
+        o->d[v] = vf_half(rec + f->d + 16 * v);
+        o->dmin[v] = six ? vf_zero() : vf_half(rec + f->dmin + 16 * v);
+    }
+}
+
+/*
+ * The float update of super-block r for R rows (at row pointers q + i * k) and 16 columns:
+ * the sums A in 8-row groups of int32 (acc, in L1 between sub-blocks), then B and
+ * kquant_update into res (16 floats a row). group: 4-input steps whose int16 pair sums may be
+ * added before widening (the bounds of the header comment).
+ */
+ALWAYS void wide_rows(const int six, const int group, const int R, const wide_record *o,
+                      const int8_t *q, const float *e, const int32_t *s, int64_t k, int64_t r,
+                      float *res) {
+    const int subs = six ? 16 : 8, steps = six ? 4 : 8;
+    vi acc[4][2] __attribute__((aligned(32)));
+    for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = vi_zero();
+    _Pragma("GCC unroll 1") for (int j = 0; j < subs; j++) {
+        vsum sums[4][2];
+        for (int i = 0; i < R; i++) sums[i][0] = sums[i][1] = vsum_zero();
+        _Pragma("GCC unroll 8") for (int st = 0; st < steps; st++) {
+            const int step = steps * j + st;
+            const vi u0 = _mm256_load_si256((const __m256i *)o->u[step]);
+            const vi u1 = _mm256_load_si256((const __m256i *)(o->u[step] + 32));
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                const vi x = vi_bcast4(q + i * k + 256 * r + 4 * step);
+                sums[i][0] = keep(vsum_step(sums[i][0], u0, x));
+                sums[i][1] = keep(vsum_step(sums[i][1], u1, x));
+            }
+            if ((st + 1) % group == 0)
+                _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                    for (int v = 0; v < 2; v++) {
+                        vi *a = &acc[i][v];
+                        if (R > 2) /* the sums of 4 rows stay in L1, 2 rows' in registers */
+                            __asm__ volatile("" : : "r"(a) : "memory");
+                        *a = vi_add_scaled(*a, sums[i][v], o->scale[j][v]);
+                        sums[i][v] = vsum_zero();
+                    }
+                }
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        const vf ev = vf_set(e[i * (k / 32) + 8 * r]);
+        vi off[2] = {vi_zero(), vi_zero()};
+        for (int t = 0; t < subs / 2; t++) {
+            const vi pv = offset_pair(six, s + i * (k / 16) + 16 * r, t);
+            for (int v = 0; v < 2; v++) off[v] = vi_add_pairs(off[v], o->pairs[t][v], pv);
+        }
+        for (int v = 0; v < 2; v++) {
+            float *at = res + 16 * i + 8 * v;
+            const vf before = vf_load(at);
+            vf_store(at, kquant_update(six, acc[i][v], off[v], o->d[v], o->dmin[v], ev, before));
+        }
+    }
+}
+
+/* Panel `local` of part w (a K-quant) for all the rows, out at the part's first column: 0, or
+ * -1 when this thread has no memory for its buffers (the caller then takes the tiles). */
+ALWAYS int wide_panel_format(const int six, const int group, const kvserve_blocks_weight *w,
+                             int64_t local, const int8_t *q, const float *scales,
+                             const int32_t *sums, int64_t rows, int64_t k, float *out,
+                             int64_t ldc) {
+    const format_info *f = find_format(w->format);
+    const int64_t records = k / 256;
+    float *res = thread_scratch(4, sizeof(float) * (size_t)(rows * 16));
+    wide_record *o = thread_scratch(5, sizeof(wide_record));
+    if (!res || !o) return -1;
+    memset(res, 0, sizeof(float) * (size_t)(rows * 16));
+    const uint8_t *data = w->packed + local * records * f->record;
+    for (int64_t r = 0; r < records; r++) {
+        const uint8_t *rec = data + r * f->record;
+        if (r == 0 && records > 1) /* then each expansion asks for the record after the next */
+            for (int64_t at = 0; at < f->record; at += 64)
+                __builtin_prefetch(rec + f->record + at, 0, PREFETCH_LOCALITY);
+        wide_expand(six, f, rec, r + 2 < records ? rec + 2 * f->record : NULL, o);
+        int64_t i = 0;
+        if (WIDE_ROWS(six) == 4)
+            for (; i + 4 <= rows; i += 4)
+                wide_rows(six, group, 4, o, q + i * k, scales + i * (k / 32), sums + i * (k / 16),
+                          k, r, res + 16 * i);
+        for (; i + 2 <= rows; i += 2)
+            wide_rows(six, group, 2, o, q + i * k, scales + i * (k / 32), sums + i * (k / 16),
+                      k, r, res + 16 * i);
+        for (; i < rows; i++)
+            wide_rows(six, group, 1, o, q + i * k, scales + i * (k / 32), sums + i * (k / 16),
+                      k, r, res + 16 * i);
+    }
+    const int64_t column = local * PANEL, cols = w->n - column < PANEL ? w->n - column : PANEL;
+    float *at = out + column;
+    if (cols < PANEL) {
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t c = 0; c < cols; c++)
+                at[i * ldc + c] = w->bias ? res[16 * i + c] + w->bias[column + c] : res[16 * i + c];
+        return 0;
+    }
+    /* (streamed around the caches, vmovntps, a 36 MB output of 512 rows took longer) */
+    const float *bias = w->bias ? w->bias + column : NULL;
+    for (int64_t i = 0; i < rows; i++) {
+        vf v0 = vf_load(res + 16 * i), v1 = vf_load(res + 16 * i + 8);
+        if (bias) v0 = vf_add(v0, vf_load(bias)), v1 = vf_add(v1, vf_load(bias + 8));
+        vf_store(at + i * ldc, v0);
+        vf_store(at + i * ldc + 8, v1);
+    }
+    return 0;
+}
+
+static int wide_panel(const kvserve_blocks_weight *w, int64_t local, const int8_t *q,
+                      const float *scales, const int32_t *sums, int64_t rows, int64_t k,
+                      float *out, int64_t ldc) {
+    switch (w->format) {
+    case KVSERVE_BLOCKS_Q4_K:
+        return wide_panel_format(0, 8, w, local, q, scales, sums, rows, k, out, ldc);
+    case KVSERVE_BLOCKS_Q5_K:
+        return wide_panel_format(0, 4, w, local, q, scales, sums, rows, k, out, ldc);
+    case KVSERVE_BLOCKS_Q6_K:
+        return wide_panel_format(1, 2, w, local, q, scales, sums, rows, k, out, ldc);
+    default: return -1;
+    }
+}
+
+/* The product of the 8-bit form with K-quant parts, many rows: a task a panel (the other
+ * parts' panels in the tiles above, all rows a task). */
+static void wide_gemm(const int8_t *q, const float *scales, const int32_t *sums, int64_t rows,
+                      int64_t k, const kvserve_blocks_weight *parts, const int64_t *first_panel,
+                      int64_t num_parts, const int64_t *first_column, float *out, int64_t ldc,
+                      int num_threads) {
+    const int64_t panels = first_panel[num_parts];
+    const int parallel = panels > 1 && rows * first_column[num_parts] * k >= (1 << 17);
+    _Pragma("omp parallel for schedule(static) if (parallel) num_threads(num_threads)")
+    for (int64_t panel = 0; panel < panels; panel++) {
+        int64_t p = 0;
+        while (first_panel[p + 1] <= panel) p++;
+        const kvserve_blocks_weight *w = &parts[p];
+        float *o = out + first_column[p];
+        const int64_t local = panel - first_panel[p];
+        if (kvserve_blocks_block_values(w->format) != 256 ||
+            wide_panel(w, local, q, scales, sums, rows, k, o, ldc) != 0)
+            panel_tiles(w, local, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL, 0, 0);
+    }
+}
+#endif
+
 #if BLOCKS_AMX
 /* The product of the 8-bit form with K-quant parts on the tile unit (the other parts' panels
  * in the tiles above, all rows a task): 0, or -1 without memory for the call's buffers. */
@@ -1736,8 +1959,8 @@ static int amx_gemm(const int8_t *q, const float *scales, const int32_t *sums, i
         q45 |= amx && parts[p].format != KVSERVE_BLOCKS_Q6_K;
     }
     const int64_t units = first_unit[num_parts];
-    int8_t *tiles = amx_scratch(2, (size_t)(blocks * groups * 8192));
-    int32_t *pairs4 = q45 ? amx_scratch(3, sizeof(int32_t) * (size_t)(rows * blocks * 4)) : NULL;
+    int8_t *tiles = thread_scratch(2, (size_t)(blocks * groups * 8192));
+    int32_t *pairs4 = q45 ? thread_scratch(3, sizeof(int32_t) * (size_t)(rows * blocks * 4)) : NULL;
     if (!tiles || (q45 && !pairs4)) return -1;
     const amx_rows x = {tiles, pairs4, scales, rows, k, groups};
     const int parallel = units > 1 && rows * first_column[num_parts] * k >= (1 << 17);
@@ -1801,6 +2024,13 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
         amx_gemm(q, scales, sums, rows, k, parts, num_parts, first_column, out, ldc,
                  num_threads) == 0)
         return 0;
+#endif
+#if BLOCKS_ISA == 1
+    if (wide && !rest && rows >= WIDE_MIN_ROWS) {
+        wide_gemm(q, scales, sums, rows, k, parts, first_panel, num_parts, first_column, out, ldc,
+                  num_threads);
+        return 0;
+    }
 #endif
     const int64_t panels = first_panel[num_parts];
     /* Tasks are (panel, row chunk): with few panels for the threads the rows are cut as well
