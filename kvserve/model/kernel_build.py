@@ -266,6 +266,7 @@ FAMILIES: tuple[Family, ...] = (
         (
             _S("kvserve_blocks_isa", "i32", ""),
             _S("kvserve_blocks_amx", "i32", ""),
+            _S("kvserve_blocks_many_rows", "i32", ""),
             _S("kvserve_blocks_block_values", "i64", "format:i64"),
             _S("kvserve_blocks_gguf_bytes", "i64", "format:i64"),
             _S("kvserve_blocks_record_bytes", "i64", "format:i64"),

@@ -196,8 +196,9 @@ class CpuKernels:
     (family -> why not), `cpu_extensions` (the vector instructions this CPU has, of those the
     kernels use), `int8_gemm_isa` ("AVX512-VNNI" | "AVX2" | None), `f32_row_product`, `kv_int8`,
     `q4` (booleans: that path runs on this CPU), `blocks_amx_rows` and `int8_amx_rows` (the rows
-    from which on the block and the int8 products take AMX-INT8, 0: never), `directory` (where
-    the objects are cached).
+    from which on the block and the int8 products take AMX-INT8, 0: never), `blocks_many_rows`
+    (the rows from which on AVX2 takes the K-quants record by record, 0: never), `directory`
+    (where the objects are cached).
     """
 
     def __init__(
@@ -233,6 +234,8 @@ class CpuKernels:
         # the rows from which on the K-quants' 8-bit products run on AMX-INT8 (0: never, as
         # with KVSERVE_AMX=0)
         self.blocks_amx_rows = probe("kvserve_blocks_amx") if self.blocks_isa is not None else 0
+        # the rows from which on AVX2 takes them record by record (0: never)
+        self.blocks_many_rows = probe("kvserve_blocks_many_rows") if self.blocks_isa else 0
         if self.has("blocks"):
             self._check_block_formats()
 
@@ -274,6 +277,8 @@ class CpuKernels:
         if self.blocks_isa is None:
             return None
         amx = f", AMX-INT8 from {self.blocks_amx_rows} rows" if self.blocks_amx else ""
+        if self.blocks_many_rows:
+            amx += f", record by record from {self.blocks_many_rows} rows"
         return f"{self.blocks_isa}{amx}"
 
     def describe(self) -> str:
@@ -310,6 +315,7 @@ class CpuKernels:
             "q4": self.q4,
             "blocks": self.blocks_isa,
             "blocks_amx": self.blocks_amx,
+            "blocks_many_rows": self.blocks_many_rows,
         }
 
     def _call(self, name: str):

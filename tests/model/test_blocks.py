@@ -503,6 +503,7 @@ def test_without_avx2_the_product_says_so_and_packing_still_works(tmp_path):
     its packing gives the same bytes as this machine's build."""
     lib = _blocks_library(tmp_path / "blocks.so", "-march=x86-64", "-fopenmp", "-std=c11", "-fPIC")
     assert lib.kvserve_blocks_isa() == 0 and lib.kvserve_blocks_amx() == 0
+    assert lib.kvserve_blocks_many_rows() == 0
     raw = random_raw("Q5_K", 20, 512)
     weight = from_raw("Q5_K", raw)
     packed = torch.empty_like(weight.packed)
@@ -527,6 +528,7 @@ def test_the_avx2_product_gives_this_machines_floats(tmp_path):
     AVX2 takes the K-quants' 8-bit form record by record (33, 40: tiles of 4, 2 and 1)."""
     lib = _blocks_library(tmp_path / "blocks_avx2.so", "-march=haswell", *kernel_build.FLAGS[2:])
     assert lib.kvserve_blocks_isa() == 1 and lib.kvserve_blocks_amx() == 0
+    assert lib.kvserve_blocks_many_rows() == 32
     k, n = 512, 40
     x = torch.randn(40, k) * 3
     for fine in (False, True):
@@ -565,6 +567,15 @@ def test_the_amx_path_runs_where_the_cpu_has_it_unless_turned_off():
     )
     assert ("AMX-INT8 from 13 rows" in KERNELS.describe()) == KERNELS.blocks_amx
     assert KERNELS.as_dict()["blocks_amx"] == KERNELS.blocks_amx
+
+
+def test_avx2_says_from_which_rows_it_goes_record_by_record():
+    """The AVX2 build without VNNI takes the K-quants' products of 32 rows and more record by
+    record, and the banner says so; the other builds never."""
+    expected = 32 if KERNELS.blocks_isa == "AVX2" else 0
+    assert KERNELS.blocks_many_rows == expected
+    assert ("record by record from 32 rows" in KERNELS.describe()) == bool(expected)
+    assert KERNELS.as_dict()["blocks_many_rows"] == expected
 
 
 @pytest.mark.skipif(

@@ -48,6 +48,11 @@ int kvserve_blocks_isa(void);
  * product on the vector tiles). */
 int kvserve_blocks_amx(void);
 
+/* The rows from which on kvserve_blocks_gemm takes the K-quant parts of 8-bit products record
+ * by record, each record expanded once for all the rows (the AVX2 build without VNNI; the same
+ * float32 results, bit for bit), 0 where it does not. */
+int kvserve_blocks_many_rows(void);
+
 /* Inputs per block (32 or 256), bytes per GGUF block, bytes per packed record of 16 columns;
  * 0 for a format the family does not know. */
 int64_t kvserve_blocks_block_values(int64_t format);
