@@ -1732,7 +1732,7 @@ static void panel_tiles(const kvserve_blocks_weight *w, int64_t local, const int
  * ---- many rows on AVX2: records expanded once, tiles of 4 rows x 16 columns ----------------
  *
  * From WIDE_MIN_ROWS rows on (prefill chunks, many streams), the K-quants' 8-bit form goes
- * panel by panel with all the rows of the call: each record (a super-block of 16 columns) is
+ * record by record with all the rows of the call: each record (a super-block of 16 columns) is
  * expanded once into its bytes u ([64 steps of 4 inputs][16 columns][4], 4 KB, in L1) and its
  * sub-block multipliers, then every tile of rows takes the panel's 16 columns in one pass, so
  * that each broadcast of 4 row bytes feeds both 8-column vectors. The tiles above broadcast
@@ -1749,12 +1749,21 @@ static void panel_tiles(const kvserve_blocks_weight *w, int64_t local, const int
  * Measured on that machine (the 1.5B's products of a step, 28 layers, 2 threads, alternated,
  * min): 64 rows 660-674 -> 521-524 ms, 32 rows 310-335 -> 296-306, 16 rows 156-163 against
  * 159-164 (equal), 8 rows 95-100 against 85-90 (worse: the expansion is shared by too few
- * rows); one product at 512 rows (2 layers' shapes, 6 alternated rounds): q|k|v 11.3 ->
+ * rows); one product at 512 rows (2 layers' shapes, 6 alternated rounds, one panel a task,
+ * below): q|k|v 11.3 ->
  * 9.2 ms, o 7.6 -> 6.1, gate|up 103 -> 91, down (Q6_K) 64 -> 50. A prefill of 8 x 128
  * tokens: 11.1-13.0 -> 9.3-9.5 s.
+ * A task is a unit of WIDE_PANELS panels of one part, each record's rows multiplied with the
+ * unit's 8 expanded records in turn, so the activations of a tile come from L2 or L3 once a
+ * unit (1,024 rows of 8,960 inputs are 9 MB) instead of once a panel: 2 layers' products of
+ * 1,024 rows, 2 threads, alternated in one process, min / median of 12: one panel a unit
+ * 762 / 849 ms, 8 panels 680 / 756 (another run, of 6: 1 panel 854 / 1001, 4 panels 771 /
+ * 799, 8 panels 698 / 788); 4 layers of 512 rows 684 -> 651 ms (min of 6), 28 layers of 64
+ * rows 578 -> 558 (4 panels).
  */
 #define WIDE_MIN_ROWS 32
 #define WIDE_ROWS(six) ((six) ? 2 : 4)
+#define WIDE_PANELS 8 /* panels of a unit: they share each pass over the rows */
 
 int kvserve_blocks_many_rows(void) { return WIDE_MIN_ROWS; }
 
@@ -1815,7 +1824,7 @@ ALWAYS void wide_expand(const int six, const format_info *f, const uint8_t *rec,
  */
 ALWAYS void wide_rows(const int six, const int group, const int R, const wide_record *o,
                       const int8_t *q, const float *e, const int32_t *s, int64_t k, int64_t r,
-                      float *res) {
+                      float *res, int64_t stride) {
     const int subs = six ? 16 : 8, steps = six ? 4 : 8;
     vi acc[4][2] __attribute__((aligned(32)));
     for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = vi_zero();
@@ -1851,95 +1860,115 @@ ALWAYS void wide_rows(const int six, const int group, const int R, const wide_re
             for (int v = 0; v < 2; v++) off[v] = vi_add_pairs(off[v], o->pairs[t][v], pv);
         }
         for (int v = 0; v < 2; v++) {
-            float *at = res + 16 * i + 8 * v;
+            float *at = res + stride * i + 8 * v;
             const vf before = vf_load(at);
             vf_store(at, kquant_update(six, acc[i][v], off[v], o->d[v], o->dmin[v], ev, before));
         }
     }
 }
 
-/* Panel `local` of part w (a K-quant) for all the rows, out at the part's first column: 0, or
- * -1 when this thread has no memory for its buffers (the caller then takes the tiles). */
-ALWAYS int wide_panel_format(const int six, const int group, const kvserve_blocks_weight *w,
-                             int64_t local, const int8_t *q, const float *scales,
-                             const int32_t *sums, int64_t rows, int64_t k, float *out,
-                             int64_t ldc) {
+/* Panels [first, first + count) of part w (a K-quant) for all the rows, out at the part's first
+ * column: 0, or -1 when this thread has no memory for its buffers (the caller then takes the
+ * tiles). The panels share each pass over the rows: a tile's activations, read for the first
+ * panel, are in L1 for the others. */
+ALWAYS int wide_unit_format(const int six, const int group, const kvserve_blocks_weight *w,
+                            int64_t first, int count, const int8_t *q, const float *scales,
+                            const int32_t *sums, int64_t rows, int64_t k, float *out,
+                            int64_t ldc) {
     const format_info *f = find_format(w->format);
-    const int64_t records = k / 256;
-    float *res = thread_scratch(4, sizeof(float) * (size_t)(rows * 16));
-    wide_record *o = thread_scratch(5, sizeof(wide_record));
+    const int64_t records = k / 256, stride = 16 * count; /* res: [rows][count][16] */
+    float *res = thread_scratch(4, sizeof(float) * (size_t)(rows * stride));
+    wide_record *o = thread_scratch(5, sizeof(wide_record) * (size_t)count);
     if (!res || !o) return -1;
-    memset(res, 0, sizeof(float) * (size_t)(rows * 16));
-    const uint8_t *data = w->packed + local * records * f->record;
+    memset(res, 0, sizeof(float) * (size_t)(rows * stride));
     for (int64_t r = 0; r < records; r++) {
-        const uint8_t *rec = data + r * f->record;
-        if (r == 0 && records > 1) /* then each expansion asks for the record after the next */
-            for (int64_t at = 0; at < f->record; at += 64)
-                __builtin_prefetch(rec + f->record + at, 0, PREFETCH_LOCALITY);
-        wide_expand(six, f, rec, r + 2 < records ? rec + 2 * f->record : NULL, o);
+        for (int pp = 0; pp < count; pp++) {
+            const uint8_t *rec = w->packed + ((first + pp) * records + r) * f->record;
+            if (r == 0 && records > 1) /* then each expansion asks for the record after next */
+                for (int64_t at = 0; at < f->record; at += 64)
+                    __builtin_prefetch(rec + f->record + at, 0, PREFETCH_LOCALITY);
+            wide_expand(six, f, rec, r + 2 < records ? rec + 2 * f->record : NULL, &o[pp]);
+        }
         int64_t i = 0;
+#define WIDE_TILES(R)                                                                              \
+    for (int pp = 0; pp < count; pp++)                                                             \
+        wide_rows(six, group, R, &o[pp], q + i * k, scales + i * (k / 32), sums + i * (k / 16),    \
+                  k, r, res + i * stride + 16 * pp, stride);
         if (WIDE_ROWS(six) == 4)
-            for (; i + 4 <= rows; i += 4)
-                wide_rows(six, group, 4, o, q + i * k, scales + i * (k / 32), sums + i * (k / 16),
-                          k, r, res + 16 * i);
-        for (; i + 2 <= rows; i += 2)
-            wide_rows(six, group, 2, o, q + i * k, scales + i * (k / 32), sums + i * (k / 16),
-                      k, r, res + 16 * i);
-        for (; i < rows; i++)
-            wide_rows(six, group, 1, o, q + i * k, scales + i * (k / 32), sums + i * (k / 16),
-                      k, r, res + 16 * i);
-    }
-    const int64_t column = local * PANEL, cols = w->n - column < PANEL ? w->n - column : PANEL;
-    float *at = out + column;
-    if (cols < PANEL) {
-        for (int64_t i = 0; i < rows; i++)
-            for (int64_t c = 0; c < cols; c++)
-                at[i * ldc + c] = w->bias ? res[16 * i + c] + w->bias[column + c] : res[16 * i + c];
-        return 0;
+            for (; i + 4 <= rows; i += 4) WIDE_TILES(4)
+        for (; i + 2 <= rows; i += 2) WIDE_TILES(2)
+        for (; i < rows; i++) WIDE_TILES(1)
+#undef WIDE_TILES
     }
     /* (streamed around the caches, vmovntps, a 36 MB output of 512 rows took longer) */
-    const float *bias = w->bias ? w->bias + column : NULL;
-    for (int64_t i = 0; i < rows; i++) {
-        vf v0 = vf_load(res + 16 * i), v1 = vf_load(res + 16 * i + 8);
-        if (bias) v0 = vf_add(v0, vf_load(bias)), v1 = vf_add(v1, vf_load(bias + 8));
-        vf_store(at + i * ldc, v0);
-        vf_store(at + i * ldc + 8, v1);
+    for (int pp = 0; pp < count; pp++) {
+        const int64_t column = (first + pp) * PANEL;
+        const int64_t cols = w->n - column < PANEL ? w->n - column : PANEL;
+        const float *bias = w->bias ? w->bias + column : NULL;
+        const float *from = res + 16 * pp;
+        float *at = out + column;
+        if (cols < PANEL) {
+            for (int64_t i = 0; i < rows; i++)
+                for (int64_t c = 0; c < cols; c++)
+                    at[i * ldc + c] = bias ? from[i * stride + c] + bias[c] : from[i * stride + c];
+            continue;
+        }
+        for (int64_t i = 0; i < rows; i++) {
+            vf v0 = vf_load(from + i * stride), v1 = vf_load(from + i * stride + 8);
+            if (bias) v0 = vf_add(v0, vf_load(bias)), v1 = vf_add(v1, vf_load(bias + 8));
+            vf_store(at + i * ldc, v0);
+            vf_store(at + i * ldc + 8, v1);
+        }
     }
     return 0;
 }
 
-static int wide_panel(const kvserve_blocks_weight *w, int64_t local, const int8_t *q,
-                      const float *scales, const int32_t *sums, int64_t rows, int64_t k,
-                      float *out, int64_t ldc) {
+static int wide_unit(const kvserve_blocks_weight *w, int64_t first, int count, const int8_t *q,
+                     const float *scales, const int32_t *sums, int64_t rows, int64_t k,
+                     float *out, int64_t ldc) {
     switch (w->format) {
     case KVSERVE_BLOCKS_Q4_K:
-        return wide_panel_format(0, 8, w, local, q, scales, sums, rows, k, out, ldc);
+        return wide_unit_format(0, 8, w, first, count, q, scales, sums, rows, k, out, ldc);
     case KVSERVE_BLOCKS_Q5_K:
-        return wide_panel_format(0, 4, w, local, q, scales, sums, rows, k, out, ldc);
+        return wide_unit_format(0, 4, w, first, count, q, scales, sums, rows, k, out, ldc);
     case KVSERVE_BLOCKS_Q6_K:
-        return wide_panel_format(1, 2, w, local, q, scales, sums, rows, k, out, ldc);
+        return wide_unit_format(1, 2, w, first, count, q, scales, sums, rows, k, out, ldc);
     default: return -1;
     }
 }
 
-/* The product of the 8-bit form with K-quant parts, many rows: a task a panel (the other
- * parts' panels in the tiles above, all rows a task). */
+/* The product of the 8-bit form with K-quant parts, many rows: a task a unit of up to
+ * WIDE_PANELS panels of one part (the other parts' panels in the tiles above, all rows a
+ * task). */
 static void wide_gemm(const int8_t *q, const float *scales, const int32_t *sums, int64_t rows,
-                      int64_t k, const kvserve_blocks_weight *parts, const int64_t *first_panel,
-                      int64_t num_parts, const int64_t *first_column, float *out, int64_t ldc,
-                      int num_threads) {
-    const int64_t panels = first_panel[num_parts];
-    const int parallel = panels > 1 && rows * first_column[num_parts] * k >= (1 << 17);
+                      int64_t k, const kvserve_blocks_weight *parts, int64_t num_parts,
+                      const int64_t *first_column, float *out, int64_t ldc, int num_threads) {
+    int64_t first_unit[num_parts + 1];
+    first_unit[0] = 0;
+    for (int64_t p = 0; p < num_parts; p++) {
+        const int64_t panels = (parts[p].n + PANEL - 1) / PANEL;
+        const int many = kvserve_blocks_block_values(parts[p].format) == 256;
+        first_unit[p + 1] =
+            first_unit[p] + (many ? (panels + WIDE_PANELS - 1) / WIDE_PANELS : panels);
+    }
+    const int64_t units = first_unit[num_parts];
+    const int parallel = units > 1 && rows * first_column[num_parts] * k >= (1 << 17);
     _Pragma("omp parallel for schedule(static) if (parallel) num_threads(num_threads)")
-    for (int64_t panel = 0; panel < panels; panel++) {
+    for (int64_t unit = 0; unit < units; unit++) {
         int64_t p = 0;
-        while (first_panel[p + 1] <= panel) p++;
+        while (first_unit[p + 1] <= unit) p++;
         const kvserve_blocks_weight *w = &parts[p];
         float *o = out + first_column[p];
-        const int64_t local = panel - first_panel[p];
-        if (kvserve_blocks_block_values(w->format) != 256 ||
-            wide_panel(w, local, q, scales, sums, rows, k, o, ldc) != 0)
+        const int64_t local = unit - first_unit[p];
+        if (kvserve_blocks_block_values(w->format) != 256) {
             panel_tiles(w, local, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL, 0, 0);
+            continue;
+        }
+        const int64_t panels = (w->n + PANEL - 1) / PANEL, first = local * WIDE_PANELS;
+        const int count = panels - first < WIDE_PANELS ? (int)(panels - first) : WIDE_PANELS;
+        if (wide_unit(w, first, count, q, scales, sums, rows, k, o, ldc) != 0)
+            for (int pp = 0; pp < count; pp++) /* no memory: the tiles */
+                panel_tiles(w, first + pp, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL, 0, 0);
     }
 }
 #endif
@@ -2033,8 +2062,7 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
 #endif
 #if BLOCKS_ISA == 1
     if (wide && !rest && rows >= WIDE_MIN_ROWS) {
-        wide_gemm(q, scales, sums, rows, k, parts, first_panel, num_parts, first_column, out, ldc,
-                  num_threads);
+        wide_gemm(q, scales, sums, rows, k, parts, num_parts, first_column, out, ldc, num_threads);
         return 0;
     }
 #endif
