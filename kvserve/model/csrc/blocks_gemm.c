@@ -1817,10 +1817,11 @@ ALWAYS void wide_expand(const int six, const format_info *f, const uint8_t *rec,
 }
 
 /*
- * The float update of super-block r for R rows (at row pointers q + i * k) and 16 columns:
- * the sums A in 8-row groups of int32 (acc, in L1 between sub-blocks), then B and
- * kquant_update into res (16 floats a row). group: 4-input steps whose int16 pair sums may be
- * added before widening (the bounds of the header comment).
+ * Super-block r of a record for R rows (row i's values at q + i * k) and its 16 columns: the
+ * sums A, int32 per row and 8 columns (for 4 rows in L1 between sub-blocks, for 2 in
+ * registers), then B and kquant_update into res (row i's 16 floats at res + stride * i).
+ * group: 4-input steps whose int16 pair sums may be added before widening (the bounds of the
+ * header comment).
  */
 ALWAYS void wide_rows(const int six, const int group, const int R, const wide_record *o,
                       const int8_t *q, const float *e, const int32_t *s, int64_t k, int64_t r,
