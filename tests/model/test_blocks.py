@@ -482,10 +482,13 @@ def _blocks_library(library, *flags: str) -> ctypes.CDLL:
     return lib
 
 
-@pytest.mark.parametrize(("march", "vnni"), [("sapphirerapids", "zmm"), ("alderlake", "ymm")])
+@pytest.mark.parametrize(
+    ("march", "vnni"), [("sapphirerapids", "zmm"), ("icelake-server", "zmm"), ("alderlake", "ymm")]
+)
 def test_the_vnni_paths_compile(tmp_path, march, vnni):
-    """AVX512-VNNI (16 columns a vector) and AVX-VNNI (8) build, with vpdpbusd in the
-    product; this CPU cannot run them, and they share every line but the vector helpers.
+    """AVX512-VNNI (16 columns a vector; with AMX-INT8, and without as Ice Lake or Zen 4) and
+    AVX-VNNI (8) build, with vpdpbusd in the product and every symbol the family loads
+    defined; this CPU cannot run them, and they share every line but the vector helpers.
     (-O1: the same code is checked in half the time of the library's -O3.)"""
     out = tmp_path / "blocks.s"
     result = subprocess.run(
@@ -496,6 +499,9 @@ def test_the_vnni_paths_compile(tmp_path, march, vnni):
     assert result.returncode == 0, result.stderr
     assembly = out.read_text()
     assert f"vpdpbusd\t%{vnni}" in assembly and "vpmaddubsw" not in assembly
+    family = next(f for f in kernel_build.FAMILIES if f.name == "blocks")
+    missing = [s.name for s in family.symbols if f"\n{s.name}:" not in assembly]
+    assert not missing, missing
 
 
 def test_without_avx2_the_product_says_so_and_packing_still_works(tmp_path):

@@ -1765,8 +1765,6 @@ static void panel_tiles(const kvserve_blocks_weight *w, int64_t local, const int
 #define WIDE_ROWS(six) ((six) ? 2 : 4)
 #define WIDE_PANELS 8 /* panels of a unit: they share each pass over the rows */
 
-int kvserve_blocks_many_rows(void) { return WIDE_MIN_ROWS; }
-
 /* A panel's record, expanded: the bytes u per step, and per vector of 8 columns the sub-block
  * scales (as vpmaddwd multiplies them), the offsets' multiplier pairs, d and dmin. */
 typedef struct __attribute__((aligned(64))) {
@@ -1975,10 +1973,6 @@ static void wide_gemm(const int8_t *q, const float *scales, const int32_t *sums,
 #endif
 
 #if BLOCKS_AMX
-#if BLOCKS_ISA != 1
-int kvserve_blocks_many_rows(void) { return 0; }
-#endif
-
 /* The product of the 8-bit form with K-quant parts on the tile unit (the other parts' panels
  * in the tiles above, all rows a task): 0, or -1 without memory for the call's buffers. */
 static int amx_gemm(const int8_t *q, const float *scales, const int32_t *sums, int64_t rows,
@@ -2123,7 +2117,6 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
 #else
 
 int kvserve_blocks_amx(void) { return 0; }
-int kvserve_blocks_many_rows(void) { return 0; }
 
 int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales,
                         const int32_t *sums, int64_t rows, int64_t k,
@@ -2134,4 +2127,10 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
     return -2;
 }
 
+#endif
+
+#if BLOCKS_ISA == 1
+int kvserve_blocks_many_rows(void) { return WIDE_MIN_ROWS; }
+#else
+int kvserve_blocks_many_rows(void) { return 0; }
 #endif
