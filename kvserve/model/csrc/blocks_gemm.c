@@ -826,7 +826,7 @@ ALWAYS vsum vsum_step_at(vsum s, vi u, const int8_t *p) { return vsum_step(s, u,
  * the thread's life; NULL when memory runs out. Slots: the tile unit's 0 (a unit's expanded
  * weights), 1 (its float sums), 2 (the call's activation tiles), 3 (their sums' pairs); the
  * wide AVX2 path's 4 (a panel's float sums), 5 (its expanded record). */
-static void *thread_scratch(int slot, size_t bytes) {
+static inline void *thread_scratch(int slot, size_t bytes) {
     static _Thread_local void *buffer[6];
     static _Thread_local size_t size[6];
     if (size[slot] < bytes) {
@@ -859,6 +859,37 @@ ALWAYS vi offset_pair(const int six, const int32_t *s, int t) {
 ALWAYS vf kquant_update(const int six, vi a, vi b, vf d, vf dmin, vf ev, vf before) {
     if (six) return vf_fma(vf_cvt(vi_sub32(a, vi_sll32(b, 5))), vf_mul(d, ev), before);
     return vf_fma(vf_cvt(a), vf_mul(d, ev), vf_fnma(vf_cvt(b), vf_mul(dmin, ev), before));
+}
+
+/* The tasks of a many-row product (the tile unit's, AVX2's record by record): the K-quant
+ * parts' panels in units of `per` panels, the other parts' one panel a unit, all the rows a
+ * task. first_unit[p]: part p's first unit; returns the number of units. */
+ALWAYS int64_t unit_table(const kvserve_blocks_weight *parts, int64_t num_parts, int per,
+                          int64_t *first_unit) {
+    first_unit[0] = 0;
+    for (int64_t p = 0; p < num_parts; p++) {
+        const int64_t panels = (parts[p].n + PANEL - 1) / PANEL;
+        const int grouped = kvserve_blocks_block_values(parts[p].format) == 256;
+        first_unit[p + 1] = first_unit[p] + (grouped ? (panels + per - 1) / per : panels);
+    }
+    return first_unit[num_parts];
+}
+
+/* Unit `unit` of the table: its part, and its panels [first, first + count) (a part that is
+ * not a K-quant: count 0, its one panel `first`). */
+typedef struct {
+    int64_t part, first;
+    int count;
+} unit_panels;
+
+ALWAYS unit_panels unit_at(const kvserve_blocks_weight *parts, const int64_t *first_unit, int per,
+                           int64_t unit) {
+    int64_t p = 0;
+    while (first_unit[p + 1] <= unit) p++;
+    const int64_t local = unit - first_unit[p];
+    if (kvserve_blocks_block_values(parts[p].format) != 256) return (unit_panels){p, local, 0};
+    const int64_t panels = (parts[p].n + PANEL - 1) / PANEL, first = local * per;
+    return (unit_panels){p, first, panels - first < per ? (int)(panels - first) : per};
 }
 
 /* `v` as it is, in a register: the integer sums are associative, and without this the compiler
@@ -1684,11 +1715,6 @@ static int amx_unit(const kvserve_blocks_weight *w, int64_t first, int count, co
                                             : amx_unit_format(0, w, first, count, x, out, ldc);
 }
 
-static int amx_format(int64_t format) {
-    return format == KVSERVE_BLOCKS_Q4_K || format == KVSERVE_BLOCKS_Q5_K ||
-           format == KVSERVE_BLOCKS_Q6_K;
-}
-
 #else
 #define BLOCKS_AMX 0
 int kvserve_blocks_amx(void) { return 0; }
@@ -1943,31 +1969,19 @@ static void wide_gemm(const int8_t *q, const float *scales, const int32_t *sums,
                       int64_t k, const kvserve_blocks_weight *parts, int64_t num_parts,
                       const int64_t *first_column, float *out, int64_t ldc, int num_threads) {
     int64_t first_unit[num_parts + 1];
-    first_unit[0] = 0;
-    for (int64_t p = 0; p < num_parts; p++) {
-        const int64_t panels = (parts[p].n + PANEL - 1) / PANEL;
-        const int many = kvserve_blocks_block_values(parts[p].format) == 256;
-        first_unit[p + 1] =
-            first_unit[p] + (many ? (panels + WIDE_PANELS - 1) / WIDE_PANELS : panels);
-    }
-    const int64_t units = first_unit[num_parts];
+    const int64_t units = unit_table(parts, num_parts, WIDE_PANELS, first_unit);
     const int parallel = units > 1 && rows * first_column[num_parts] * k >= (1 << 17);
     _Pragma("omp parallel for schedule(static) if (parallel) num_threads(num_threads)")
     for (int64_t unit = 0; unit < units; unit++) {
-        int64_t p = 0;
-        while (first_unit[p + 1] <= unit) p++;
-        const kvserve_blocks_weight *w = &parts[p];
-        float *o = out + first_column[p];
-        const int64_t local = unit - first_unit[p];
-        if (kvserve_blocks_block_values(w->format) != 256) {
-            panel_tiles(w, local, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL, 0, 0);
-            continue;
-        }
-        const int64_t panels = (w->n + PANEL - 1) / PANEL, first = local * WIDE_PANELS;
-        const int count = panels - first < WIDE_PANELS ? (int)(panels - first) : WIDE_PANELS;
-        if (wide_unit(w, first, count, q, scales, sums, rows, k, o, ldc) != 0)
-            for (int pp = 0; pp < count; pp++) /* no memory: the tiles */
-                panel_tiles(w, first + pp, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL, 0, 0);
+        const unit_panels u = unit_at(parts, first_unit, WIDE_PANELS, unit);
+        const kvserve_blocks_weight *w = &parts[u.part];
+        float *o = out + first_column[u.part];
+        if (u.count == 0)
+            panel_tiles(w, u.first, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL, 0, 0);
+        else if (wide_unit(w, u.first, u.count, q, scales, sums, rows, k, o, ldc) != 0)
+            for (int pp = 0; pp < u.count; pp++) /* no memory: the tiles */
+                panel_tiles(w, u.first + pp, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL, 0,
+                            0);
     }
 }
 #endif
@@ -1980,15 +1994,10 @@ static int amx_gemm(const int8_t *q, const float *scales, const int32_t *sums, i
                     const int64_t *first_column, float *out, int64_t ldc, int num_threads) {
     const int64_t blocks = k / 256, groups = (rows + 31) / 32;
     int64_t first_unit[num_parts + 1];
-    int q45 = 0;
-    first_unit[0] = 0;
-    for (int64_t p = 0; p < num_parts; p++) {
-        const int64_t panels = (parts[p].n + PANEL - 1) / PANEL;
-        const int amx = amx_format(parts[p].format);
-        first_unit[p + 1] = first_unit[p] + (amx ? (panels + AMX_PANELS - 1) / AMX_PANELS : panels);
-        q45 |= amx && parts[p].format != KVSERVE_BLOCKS_Q6_K;
-    }
-    const int64_t units = first_unit[num_parts];
+    const int64_t units = unit_table(parts, num_parts, AMX_PANELS, first_unit);
+    int q45 = 0; /* a Q4_K or Q5_K part: their offsets take the sums' pairs */
+    for (int64_t p = 0; p < num_parts; p++)
+        q45 |= parts[p].format == KVSERVE_BLOCKS_Q4_K || parts[p].format == KVSERVE_BLOCKS_Q5_K;
     int8_t *tiles = thread_scratch(2, (size_t)(blocks * groups * 8192));
     int32_t *pairs4 = q45 ? thread_scratch(3, sizeof(int32_t) * (size_t)(rows * blocks * 4)) : NULL;
     if (!tiles || (q45 && !pairs4)) return -1;
@@ -2006,20 +2015,14 @@ static int amx_gemm(const int8_t *q, const float *scales, const int32_t *sums, i
         _tile_loadconfig(&AMX_CONFIG);
         _Pragma("omp for schedule(static)")
         for (int64_t unit = 0; unit < units; unit++) {
-            int64_t p = 0;
-            while (first_unit[p + 1] <= unit) p++;
-            const kvserve_blocks_weight *w = &parts[p];
-            float *o = out + first_column[p];
-            const int64_t local = unit - first_unit[p];
-            if (!amx_format(w->format)) {
-                panel_tiles(w, local, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL, 0, 0);
-                continue;
-            }
-            const int64_t panels = (w->n + PANEL - 1) / PANEL, first = local * AMX_PANELS;
-            const int count = panels - first < AMX_PANELS ? (int)(panels - first) : AMX_PANELS;
-            if (amx_unit(w, first, count, &x, o, ldc) != 0) /* no memory: the tiles above */
-                for (int pp = 0; pp < count; pp++)
-                    panel_tiles(w, first + pp, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL,
+            const unit_panels u = unit_at(parts, first_unit, AMX_PANELS, unit);
+            const kvserve_blocks_weight *w = &parts[u.part];
+            float *o = out + first_column[u.part];
+            if (u.count == 0)
+                panel_tiles(w, u.first, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL, 0, 0);
+            else if (amx_unit(w, u.first, u.count, &x, o, ldc) != 0) /* no memory: the tiles */
+                for (int pp = 0; pp < u.count; pp++)
+                    panel_tiles(w, u.first + pp, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL,
                                 0, 0);
         }
         _tile_release();
