@@ -197,8 +197,8 @@ class CpuKernels:
     kernels use), `int8_gemm_isa` ("AVX512-VNNI" | "AVX2" | None), `f32_row_product`, `kv_int8`,
     `q4` (booleans: that path runs on this CPU), `blocks_amx_rows` and `int8_amx_rows` (the rows
     from which on the block and the int8 products take AMX-INT8, 0: never), `blocks_many_rows`
-    (the rows from which on AVX2 takes the K-quants record by record, 0: never), `directory`
-    (where the objects are cached).
+    (the rows from which on AVX2 or AVX512 takes the K-quants record by record, 0: never),
+    `directory` (where the objects are cached).
     """
 
     def __init__(
@@ -234,8 +234,11 @@ class CpuKernels:
         # the rows from which on the K-quants' 8-bit products run on AMX-INT8 (0: never, as
         # with KVSERVE_AMX=0)
         self.blocks_amx_rows = probe("kvserve_blocks_amx") if self.blocks_isa is not None else 0
-        # the rows from which on AVX2 takes them record by record (0: never)
-        self.blocks_many_rows = probe("kvserve_blocks_many_rows") if self.blocks_isa else 0
+        # the rows from which on the vector instructions take them record by record (AVX2, and
+        # AVX512 where the tile unit does not take them; 0: never)
+        self.blocks_many_rows = (
+            probe("kvserve_blocks_many_rows") if self.blocks_isa and not self.blocks_amx_rows else 0
+        )
         if self.has("blocks"):
             self._check_block_formats()
 

@@ -251,10 +251,11 @@ def test_product_matches_the_dequantized_reference(qtype, rows, n, k, fine):
 @needs_product
 def test_extreme_codes_and_activations_stay_exact():
     """Every weight code at its largest (and Q8_0 at -128) against activations of +-127 and
-    the largest sums: the bounds that keep vpmaddubsw from saturating (34 rows: on AVX2 the
-    K-quants' 8-bit form of 32 rows and more goes record by record, with its own sums)."""
+    the largest sums: the bounds that keep vpmaddubsw from saturating (100 rows: the K-quants'
+    8-bit form of 32 rows and more goes record by record on AVX2, of 96 and more on AVX512,
+    with its own sums)."""
     k, n = 512, 32
-    x = torch.full((34, k), 3.0)
+    x = torch.full((100, k), 3.0)
     x[1::2, ::2] = -3.0
     act = act_blocks(x)
     assert int(act.q.abs().min()) == 127
@@ -302,11 +303,12 @@ def test_fused_parts_keep_their_formats_and_equal_separate_products():
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_a_row_does_not_depend_on_its_batch_mates_or_the_threads(qtype, fine):
     """Rows alone, in a batch of 37 (tiles of several rows, rows cut in chunks over few
-    panels, the last rows padded to a tile) and on one thread give the same floats."""
+    panels, the last rows padded to a tile) or of 101 (the K-quants record by record) and on
+    one thread give the same floats."""
     k = 512
     weight = from_raw(qtype, random_raw(qtype, 40, k), torch.randn(40))
     wide = from_raw(qtype, random_raw(qtype, 300, k))
-    x = torch.randn(37, k)
+    x = torch.randn(101, k)
     act = act_blocks(x, fine)
     for w in (weight, wide):
         together = w.apply_blocks(act)
@@ -317,11 +319,11 @@ def test_a_row_does_not_depend_on_its_batch_mates_or_the_threads(qtype, fine):
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(single, together)
-        for row in (0, 4, 5, 36):
+        for row in (0, 4, 5, 36, 100):
             assert torch.equal(w.apply(x[row : row + 1], fine)[0], together[row])
         assert torch.equal(w.apply_blocks(act_blocks(x[3:9], fine)), together[3:9])
         # rows left after whole tiles go as one tile with zero rows after them (3 -> 4, 5-7 -> 8)
-        for count in (3, 5, 7, 13):
+        for count in (3, 5, 7, 13, 37):
             assert torch.equal(w.apply_blocks(act_blocks(x[:count], fine)), together[:count])
 
 
@@ -531,12 +533,13 @@ def test_the_avx2_product_gives_this_machines_floats(tmp_path):
     by vpmaddwd), the product gives the same float32 results as this machine's build, bit for
     bit, in both activation forms and tiles of 1, 2, 4 and 8 rows (and 7 = 4 + 2 + 1, 15 = 8 +
     4 + 2 + 1: this machine's AVX512 tiles take 8 rows, AVX2's 4), and from 32 rows on, where
-    AVX2 takes the K-quants' 8-bit form record by record (33, 40: tiles of 4, 2 and 1)."""
+    AVX2 takes the K-quants' 8-bit form record by record (33, 40: tiles of 4, 2 and 1; 101:
+    AVX512 too, in tiles of 8, 4 and 1)."""
     lib = _blocks_library(tmp_path / "blocks_avx2.so", "-march=haswell", *kernel_build.FLAGS[2:])
     assert lib.kvserve_blocks_isa() == 1 and lib.kvserve_blocks_amx() == 0
     assert lib.kvserve_blocks_many_rows() == 32
     k, n = 512, 40
-    x = torch.randn(40, k) * 3
+    x = torch.randn(101, k) * 3
     for fine in (False, True):
         act = act_blocks(x, fine)
         for qtype in FORMATS:
@@ -545,7 +548,7 @@ def test_the_avx2_product_gives_this_machines_floats(tmp_path):
                 BlocksWeightStruct(weight.packed.data_ptr(), weight.bias.data_ptr(), n,
                                    block_format(qtype).ggml_type)
             )  # fmt: skip
-            for rows in (1, 2, 4, 7, 8, 15, 33, 40):
+            for rows in (1, 2, 4, 7, 8, 15, 33, 40, 101):
                 out = torch.empty(rows, n)
                 status = lib.kvserve_blocks_gemm(
                     act.q.data_ptr(), None if act.rest is None else act.rest.data_ptr(),
@@ -575,12 +578,15 @@ def test_the_amx_path_runs_where_the_cpu_has_it_unless_turned_off():
     assert KERNELS.as_dict()["blocks_amx"] == KERNELS.blocks_amx
 
 
-def test_avx2_says_from_which_rows_it_goes_record_by_record():
+def test_avx2_and_avx512_say_from_which_rows_they_go_record_by_record():
     """The AVX2 build without VNNI takes the K-quants' products of 32 rows and more record by
-    record, and the banner says so; the other builds never."""
-    expected = 32 if KERNELS.blocks_isa == "AVX2" else 0
+    record, the AVX512 one of 96 and more (where the tile unit does not take them), and the
+    banner says so; the AVX-VNNI build never."""
+    expected = {"AVX2": 32, "AVX512-VNNI": 0 if KERNELS.blocks_amx else 96}.get(
+        KERNELS.blocks_isa, 0
+    )
     assert KERNELS.blocks_many_rows == expected
-    assert ("record by record from 32 rows" in KERNELS.describe()) == bool(expected)
+    assert (f"record by record from {expected} rows" in KERNELS.describe()) == bool(expected)
     assert KERNELS.as_dict()["blocks_many_rows"] == expected
 
 

@@ -806,6 +806,9 @@ ALWAYS void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
 
 int kvserve_blocks_isa(void) { return BLOCKS_ISA; }
 
+/* whether the K-quants' 8-bit form of many rows goes record by record (below) */
+#define BLOCKS_WIDE (BLOCKS_ISA == 1 || BLOCKS_ISA == 3)
+
 #if BLOCKS_ISA
 
 ALWAYS vi vi_bcast4(const int8_t *p) {
@@ -825,10 +828,11 @@ ALWAYS vsum vsum_step_at(vsum s, vi u, const int8_t *p) { return vsum_step(s, u,
 /* A thread's buffer `slot` of at least `bytes` (64-byte aligned), grown as needed and kept for
  * the thread's life; NULL when memory runs out. Slots: the tile unit's 0 (a unit's expanded
  * weights), 1 (its float sums), 2 (the call's activation tiles), 3 (their sums' pairs); the
- * wide AVX2 path's 4 (a panel's float sums), 5 (its expanded record). */
+ * record-by-record path's 4 (a unit's float sums), 5 (its expanded records), 6 and 7 (the
+ * call's offset pairs). */
 static inline void *thread_scratch(int slot, size_t bytes) {
-    static _Thread_local void *buffer[6];
-    static _Thread_local size_t size[6];
+    static _Thread_local void *buffer[8];
+    static _Thread_local size_t size[8];
     if (size[slot] < bytes) {
         free(buffer[slot]);
         bytes = (bytes + 4095) & ~(size_t)4095;
@@ -846,10 +850,25 @@ static inline int32_t pair16(int32_t a, int32_t b) {
  * (s: its sums of 16) that multiplies the pair of sub-block multipliers t (Q4_K, Q5_K: the
  * mins m_g of sub-blocks of 32, t < 4; Q6_K: the scales sc_g of sub-blocks of 16, t < 8).
  * |P| <= 32 * 127: an int16. */
-ALWAYS vi offset_pair(const int six, const int32_t *s, int t) {
+ALWAYS int32_t offset_pair32(const int six, const int32_t *s, int t) {
     const int32_t p0 = six ? s[2 * t] : s[4 * t] + s[4 * t + 1];
     const int32_t p1 = six ? s[2 * t + 1] : s[4 * t + 2] + s[4 * t + 3];
-    return vi_set32(pair16(p0, p1));
+    return pair16(p0, p1);
+}
+ALWAYS vi offset_pair(const int six, const int32_t *s, int t) {
+    return vi_set32(offset_pair32(six, s, t));
+}
+
+/* Row `row`'s offset pairs for every super-block, once for all the columns of a many-row
+ * product: pairs + (row * (k / 256) + b) * (six ? 8 : 4) holds super-block b's. */
+static inline void offset_pairs(const int six, const int32_t *sums, int64_t k, int64_t row,
+                         int32_t *pairs) {
+    const int count = six ? 8 : 4;
+    for (int64_t b = 0; b < k / 256; b++) {
+        const int32_t *s = sums + row * (k / 16) + 16 * b;
+        int32_t *o = pairs + (row * (k / 256) + b) * count;
+        for (int t = 0; t < count; t++) o[t] = offset_pair32(six, s, t);
+    }
 }
 
 /* The K-quants' float update of a row's super-block in the 8-bit form, e the row's scale for
@@ -1563,15 +1582,6 @@ static void amx_copy_tiles(const int8_t *q, int64_t rows, int64_t k, int64_t gro
         }
 }
 
-static void amx_sum_pairs(const int32_t *sums, int64_t k, int64_t row, int32_t *pairs4) {
-    for (int64_t b = 0; b < k / 256; b++) {
-        const int32_t *s = sums + row * (k / 16) + 16 * b;
-        int32_t *o = pairs4 + (row * (k / 256) + b) * 4;
-        for (int t = 0; t < 4; t++)
-            o[t] = pair16(s[4 * t] + s[4 * t + 1], s[4 * t + 2] + s[4 * t + 3]);
-    }
-}
-
 /* The float update of rows r..r+count-1 (res with a row stride of `stride` floats) for
  * super-block b of a panel, from the C tiles as stored: c[lo0, hi0, lo1, hi1][16][16]. */
 ALWAYS void amx_update(const int six, const amx_rows *x, const amx_block *o, int64_t b,
@@ -1753,9 +1763,9 @@ static void panel_tiles(const kvserve_blocks_weight *w, int64_t local, const int
     }
 }
 
-#if BLOCKS_ISA == 1
+#if BLOCKS_WIDE
 /*
- * ---- many rows on AVX2: records expanded once, tiles of 4 rows x 16 columns ----------------
+ * ---- many rows on AVX2 and AVX512: records expanded once, tiles of rows x 16 columns ---------
  *
  * From WIDE_MIN_ROWS rows on (prefill chunks, many streams), the K-quants' 8-bit form goes
  * record by record with all the rows of the call: each record (a super-block of 16 columns) is
@@ -1787,17 +1797,61 @@ static void panel_tiles(const kvserve_blocks_weight *w, int64_t local, const int
  * 799, 8 panels 698 / 788); 4 layers of 512 rows 684 -> 651 ms (min of 6), 28 layers of 64
  * rows 578 -> 558 (4 panels).
  */
+/*
+ * AVX512 (without the tile unit, or with it turned off) goes the same way from 96 rows, in
+ * tiles of 8 rows x 16 columns (one vector; the step's 4 row bytes broadcast inside vpdpbusd),
+ * all formats, the sums in registers. Its tiles above unpack in registers for 8 rows at a time
+ * and keep up to about 64 rows; beyond, their activations come from L2 or L3 once a panel.
+ * The offsets' pairs of every row and super-block are made once a call (offset_pairs) and
+ * broadcast inside vpdpwssd (AVX2: vpmaddwd): made per row, record and panel they had taken
+ * 18% of the time at 128 rows. Measured on the AMD EPYC Zen 4 machine (8 of the 1.5B's layers'
+ * products, 2 threads, alternated in one process, min of 3-5): 16 rows 28.8 against 29.1 ms,
+ * 32 rows 54.7 against 60.5, 64 rows 89.4 against 92.9, 96 rows 135.9 -> 131.6, 128 rows
+ * 179.0 -> 163.7, 256 rows 342.5 -> 324.9, 512 rows 843.7 -> 675.8; the pairs made once, in
+ * the AVX2 build on that machine: 64 rows 120.7 -> 117.3, 256 rows 436.3 -> 410.0.
+ */
+#if BLOCKS_ISA == 3
+#define WIDE_MIN_ROWS 96
+#define WIDE_ROWS(six) 8
+#else
 #define WIDE_MIN_ROWS 32
 #define WIDE_ROWS(six) ((six) ? 2 : 4)
+#endif
 #define WIDE_PANELS 8 /* panels of a unit: they share each pass over the rows */
+#define WV (PANEL / VW) /* vectors of a panel's 16 columns: AVX2 2, AVX512 1 */
 
-/* A panel's record, expanded: the bytes u per step, and per vector of 8 columns the sub-block
- * scales (as vpmaddwd multiplies them), the offsets' multiplier pairs, d and dmin. */
+/* A panel's record, expanded: the bytes u per step, and per vector of columns the sub-block
+ * scales (as vi_add_scaled multiplies them), the offsets' multiplier pairs, d and dmin. */
 typedef struct __attribute__((aligned(64))) {
     uint8_t u[64][64];
-    vi scale[16][2], pairs[8][2];
-    vf d[2], dmin[2];
+    vi scale[16][WV], pairs[8][WV];
+    vf d[WV], dmin[WV];
 } wide_record;
+
+/* acc + a.b over each lane's two int16 pairs, b the pair at p in every lane */
+ALWAYS vi vi_add_pairs_at(vi acc, vi a, const int32_t *p) {
+#if BLOCKS_ISA == 3
+    __asm__("vpdpwssd %[x]%{1to16%}, %[a], %[s]" : [s] "+v"(acc) : [a] "v"(a), [x] "m"(*p));
+    return acc;
+#else
+    return vi_add_pairs(acc, a, vi_set32(*p));
+#endif
+}
+
+ALWAYS vi vi_load_aligned(const uint8_t *p) {
+#if BLOCKS_ISA == 3
+    return _mm512_load_si512((const void *)p);
+#else
+    return _mm256_load_si256((const __m256i *)p);
+#endif
+}
+ALWAYS void vi_store_aligned(uint8_t *p, vi v) {
+#if BLOCKS_ISA == 3
+    _mm512_store_si512((void *)p, v);
+#else
+    _mm256_store_si256((__m256i *)p, v);
+#endif
+}
 
 /* Record `rec` of a K-quant expanded into o (the bytes as block_sums unpacks them), a line of
  * the record `ahead` (NULL: none) prefetched with each of its 64 vectors of nibbles: a whole
@@ -1807,14 +1861,15 @@ ALWAYS void wide_expand(const int six, const format_info *f, const uint8_t *rec,
     const vi low4 = vi_bytes(0x0F), mask = vi_bytes(six ? 0x30 : 0x10);
     const int subs = six ? 16 : 8, chunks = six ? 2 : 4; /* 16 or 32 inputs a sub-block */
     for (int j = 0; j < subs; j++)
-        for (int v = 0; v < 2; v++) {
+        for (int v = 0; v < WV; v++) {
             const uint8_t *nib = six ? rec + 256 * (j / 2) + 128 * (j % 2) : rec + 256 * j;
-            const vi high = f->high >= 0 ? vi_load(rec + f->high + 64 * j + 32 * v) : vi_zero();
+            const vi high =
+                f->high >= 0 ? vi_load(rec + f->high + 64 * j + LANES * v) : vi_zero();
             for (int h = 0; h < chunks; h++) {
-                const int64_t line = 64 * ((2 * j + v) * chunks + h);
+                const int64_t line = 64 * ((WV * j + v) * chunks + h);
                 if (ahead && line < f->record)
                     __builtin_prefetch(ahead + line, 0, PREFETCH_LOCALITY);
-                const vi w = vi_load(nib + 64 * h + 32 * v);
+                const vi w = vi_load(nib + 64 * h + LANES * v);
                 vi u0 = vi_and(w, low4), u1 = vi_and(vi_srl16(w, 4), low4);
                 if (six) {
                     u0 = vi_or(u0, vi_and(to_bit4(high, 2 * (2 * h)), mask));
@@ -1824,19 +1879,19 @@ ALWAYS void wide_expand(const int six, const format_info *f, const uint8_t *rec,
                     u1 = vi_or(u1, vi_and(to_bit4(high, 2 * h + 1), mask));
                 }
                 const int step = 2 * chunks * j + 2 * h;
-                _mm256_store_si256((__m256i *)(o->u[step] + 32 * v), u0);
-                _mm256_store_si256((__m256i *)(o->u[step + 1] + 32 * v), u1);
+                vi_store_aligned(o->u[step] + LANES * v, u0);
+                vi_store_aligned(o->u[step + 1] + LANES * v, u1);
             }
-            o->scale[j][v] = vi_scales(rec + f->sc + 16 * j + 8 * v, six);
+            o->scale[j][v] = vi_scales(rec + f->sc + 16 * j + VW * v, six);
         }
     const int64_t at = six ? f->sc : f->mn;
     for (int t = 0; t < subs / 2; t++)
-        for (int v = 0; v < 2; v++)
+        for (int v = 0; v < WV; v++)
             o->pairs[t][v] =
-                vi_pairs(rec + at + 32 * t + 8 * v, rec + at + 32 * t + 16 + 8 * v, six);
-    for (int v = 0; v < 2; v++) {
-        o->d[v] = vf_half(rec + f->d + 16 * v);
-        o->dmin[v] = six ? vf_zero() : vf_half(rec + f->dmin + 16 * v);
+                vi_pairs(rec + at + 32 * t + VW * v, rec + at + 32 * t + 16 + VW * v, six);
+    for (int v = 0; v < WV; v++) {
+        o->d[v] = vf_half(rec + f->d + 2 * VW * v);
+        o->dmin[v] = six ? vf_zero() : vf_half(rec + f->dmin + 2 * VW * v);
     }
 }
 
@@ -1848,29 +1903,36 @@ ALWAYS void wide_expand(const int six, const format_info *f, const uint8_t *rec,
  * header comment).
  */
 ALWAYS void wide_rows(const int six, const int group, const int R, const wide_record *o,
-                      const int8_t *q, const float *e, const int32_t *s, int64_t k, int64_t r,
+                      const int8_t *q, const float *e, const int32_t *pairs, int64_t k, int64_t r,
                       float *res, int64_t stride) {
     const int subs = six ? 16 : 8, steps = six ? 4 : 8;
-    vi acc[4][2] __attribute__((aligned(32)));
-    for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = vi_zero();
+    /* AVX2: the sums of 4 rows in L1 between sub-blocks (the registers hold 2 rows' only) */
+    const int in_memory = VW == 8 && R > 2;
+    vi acc[8][WV] __attribute__((aligned(64)));
+    for (int i = 0; i < R; i++)
+        for (int v = 0; v < WV; v++) acc[i][v] = vi_zero();
     _Pragma("GCC unroll 1") for (int j = 0; j < subs; j++) {
-        vsum sums[4][2];
-        for (int i = 0; i < R; i++) sums[i][0] = sums[i][1] = vsum_zero();
+        vsum sums[8][WV];
+        for (int i = 0; i < R; i++)
+            for (int v = 0; v < WV; v++) sums[i][v] = vsum_zero();
         _Pragma("GCC unroll 8") for (int st = 0; st < steps; st++) {
             const int step = steps * j + st;
-            const vi u0 = _mm256_load_si256((const __m256i *)o->u[step]);
-            const vi u1 = _mm256_load_si256((const __m256i *)(o->u[step] + 32));
-            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
-                const vi x = vi_bcast4(q + i * k + 256 * r + 4 * step);
-                sums[i][0] = keep(vsum_step(sums[i][0], u0, x));
-                sums[i][1] = keep(vsum_step(sums[i][1], u1, x));
+            vi u[WV];
+            for (int v = 0; v < WV; v++) u[v] = vi_load_aligned(o->u[step] + LANES * v);
+            _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+                const int8_t *p = q + i * k + 256 * r + 4 * step;
+#if BLOCKS_ISA == 3
+                sums[i][0] = keep(vsum_step_at(sums[i][0], u[0], p));
+#else
+                const vi x = vi_bcast4(p);
+                for (int v = 0; v < WV; v++) sums[i][v] = keep(vsum_step(sums[i][v], u[v], x));
+#endif
             }
             if ((st + 1) % group == 0)
-                _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
-                    for (int v = 0; v < 2; v++) {
+                _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+                    for (int v = 0; v < WV; v++) {
                         vi *a = &acc[i][v];
-                        if (R > 2) /* the sums of 4 rows stay in L1, 2 rows' in registers */
-                            __asm__ volatile("" : : "r"(a) : "memory");
+                        if (in_memory) __asm__ volatile("" : : "r"(a) : "memory");
                         *a = vi_add_scaled(*a, sums[i][v], o->scale[j][v]);
                         sums[i][v] = vsum_zero();
                     }
@@ -1879,13 +1941,13 @@ ALWAYS void wide_rows(const int six, const int group, const int R, const wide_re
     }
     for (int i = 0; i < R; i++) {
         const vf ev = vf_set(e[i * (k / 32) + 8 * r]);
-        vi off[2] = {vi_zero(), vi_zero()};
-        for (int t = 0; t < subs / 2; t++) {
-            const vi pv = offset_pair(six, s + i * (k / 16) + 16 * r, t);
-            for (int v = 0; v < 2; v++) off[v] = vi_add_pairs(off[v], o->pairs[t][v], pv);
-        }
-        for (int v = 0; v < 2; v++) {
-            float *at = res + stride * i + 8 * v;
+        vi off[WV];
+        for (int v = 0; v < WV; v++) off[v] = vi_zero();
+        const int32_t *p = pairs + (i * (k / 256) + r) * (subs / 2);
+        for (int t = 0; t < subs / 2; t++)
+            for (int v = 0; v < WV; v++) off[v] = vi_add_pairs_at(off[v], o->pairs[t][v], p + t);
+        for (int v = 0; v < WV; v++) {
+            float *at = res + stride * i + VW * v;
             const vf before = vf_load(at);
             vf_store(at, kquant_update(six, acc[i][v], off[v], o->d[v], o->dmin[v], ev, before));
         }
@@ -1895,10 +1957,10 @@ ALWAYS void wide_rows(const int six, const int group, const int R, const wide_re
 /* Panels [first, first + count) of part w (a K-quant) for all the rows, out at the part's first
  * column: 0, or -1 when this thread has no memory for its buffers (the caller then takes the
  * tiles). The panels share each pass over the rows: a tile's activations, read for the first
- * panel, are in L1 for the others. */
+ * panel, are in L1 for the others. pairs: the rows' offset pairs (offset_pairs). */
 ALWAYS int wide_unit_format(const int six, const int group, const kvserve_blocks_weight *w,
                             int64_t first, int count, const int8_t *q, const float *scales,
-                            const int32_t *sums, int64_t rows, int64_t k, float *out,
+                            const int32_t *pairs, int64_t rows, int64_t k, float *out,
                             int64_t ldc) {
     const format_info *f = find_format(w->format);
     const int64_t records = k / 256, stride = 16 * count; /* res: [rows][count][16] */
@@ -1917,9 +1979,11 @@ ALWAYS int wide_unit_format(const int six, const int group, const kvserve_blocks
         int64_t i = 0;
 #define WIDE_TILES(R)                                                                              \
     for (int pp = 0; pp < count; pp++)                                                             \
-        wide_rows(six, group, R, &o[pp], q + i * k, scales + i * (k / 32), sums + i * (k / 16),    \
-                  k, r, res + i * stride + 16 * pp, stride);
-        if (WIDE_ROWS(six) == 4)
+        wide_rows(six, group, R, &o[pp], q + i * k, scales + i * (k / 32),                         \
+                  pairs + i * records * (six ? 8 : 4), k, r, res + i * stride + 16 * pp, stride);
+        if (WIDE_ROWS(six) == 8)
+            for (; i + 8 <= rows; i += 8) WIDE_TILES(8)
+        if (WIDE_ROWS(six) >= 4)
             for (; i + 4 <= rows; i += 4) WIDE_TILES(4)
         for (; i + 2 <= rows; i += 2) WIDE_TILES(2)
         for (; i < rows; i++) WIDE_TILES(1)
@@ -1938,51 +2002,72 @@ ALWAYS int wide_unit_format(const int six, const int group, const kvserve_blocks
                     at[i * ldc + c] = bias ? from[i * stride + c] + bias[c] : from[i * stride + c];
             continue;
         }
-        for (int64_t i = 0; i < rows; i++) {
-            vf v0 = vf_load(from + i * stride), v1 = vf_load(from + i * stride + 8);
-            if (bias) v0 = vf_add(v0, vf_load(bias)), v1 = vf_add(v1, vf_load(bias + 8));
-            vf_store(at + i * ldc, v0);
-            vf_store(at + i * ldc + 8, v1);
-        }
+        for (int64_t i = 0; i < rows; i++)
+            for (int v = 0; v < WV; v++) {
+                vf value = vf_load(from + i * stride + VW * v);
+                if (bias) value = vf_add(value, vf_load(bias + VW * v));
+                vf_store(at + i * ldc + VW * v, value);
+            }
     }
     return 0;
 }
 
 static int wide_unit(const kvserve_blocks_weight *w, int64_t first, int count, const int8_t *q,
-                     const float *scales, const int32_t *sums, int64_t rows, int64_t k,
-                     float *out, int64_t ldc) {
+                     const float *scales, const int32_t *pairs4, const int32_t *pairs8,
+                     int64_t rows, int64_t k, float *out, int64_t ldc) {
+    /* AVX2's int16 pair sums widen in groups of steps (the tiles' bounds); VNNI's int32 sums
+     * once a sub-block (8 steps, Q6_K's 4) */
+    const int vnni = BLOCKS_ISA == 3;
     switch (w->format) {
     case KVSERVE_BLOCKS_Q4_K:
-        return wide_unit_format(0, 8, w, first, count, q, scales, sums, rows, k, out, ldc);
+        return wide_unit_format(0, 8, w, first, count, q, scales, pairs4, rows, k, out, ldc);
     case KVSERVE_BLOCKS_Q5_K:
-        return wide_unit_format(0, 4, w, first, count, q, scales, sums, rows, k, out, ldc);
+        return wide_unit_format(0, vnni ? 8 : 4, w, first, count, q, scales, pairs4, rows, k,
+                                out, ldc);
     case KVSERVE_BLOCKS_Q6_K:
-        return wide_unit_format(1, 2, w, first, count, q, scales, sums, rows, k, out, ldc);
+        return wide_unit_format(1, vnni ? 4 : 2, w, first, count, q, scales, pairs8, rows, k,
+                                out, ldc);
     default: return -1;
     }
 }
 
 /* The product of the 8-bit form with K-quant parts, many rows: a task a unit of up to
  * WIDE_PANELS panels of one part (the other parts' panels in the tiles above, all rows a
- * task). */
-static void wide_gemm(const int8_t *q, const float *scales, const int32_t *sums, int64_t rows,
-                      int64_t k, const kvserve_blocks_weight *parts, int64_t num_parts,
-                      const int64_t *first_column, float *out, int64_t ldc, int num_threads) {
+ * task); the rows' offset pairs once for all the columns first. 0, or -1 without memory for
+ * the call's pairs. */
+static int wide_gemm(const int8_t *q, const float *scales, const int32_t *sums, int64_t rows,
+                     int64_t k, const kvserve_blocks_weight *parts, int64_t num_parts,
+                     const int64_t *first_column, float *out, int64_t ldc, int num_threads) {
     int64_t first_unit[num_parts + 1];
     const int64_t units = unit_table(parts, num_parts, WIDE_PANELS, first_unit);
-    const int parallel = units > 1 && rows * first_column[num_parts] * k >= (1 << 17);
-    _Pragma("omp parallel for schedule(static) if (parallel) num_threads(num_threads)")
-    for (int64_t unit = 0; unit < units; unit++) {
-        const unit_panels u = unit_at(parts, first_unit, WIDE_PANELS, unit);
-        const kvserve_blocks_weight *w = &parts[u.part];
-        float *o = out + first_column[u.part];
-        if (u.count == 0)
-            panel_tiles(w, u.first, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL, 0, 0);
-        else if (wide_unit(w, u.first, u.count, q, scales, sums, rows, k, o, ldc) != 0)
-            for (int pp = 0; pp < u.count; pp++) /* no memory: the tiles */
-                panel_tiles(w, u.first + pp, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL, 0,
-                            0);
+    int q45 = 0, q6 = 0;
+    for (int64_t p = 0; p < num_parts; p++) {
+        q45 |= parts[p].format == KVSERVE_BLOCKS_Q4_K || parts[p].format == KVSERVE_BLOCKS_Q5_K;
+        q6 |= parts[p].format == KVSERVE_BLOCKS_Q6_K;
     }
+    const size_t per_row = sizeof(int32_t) * (size_t)(k / 256);
+    int32_t *pairs4 = q45 ? thread_scratch(6, 4 * per_row * (size_t)rows) : NULL;
+    int32_t *pairs8 = q6 ? thread_scratch(7, 8 * per_row * (size_t)rows) : NULL;
+    if ((q45 && !pairs4) || (q6 && !pairs8)) return -1;
+    const int parallel = units > 1 && rows * first_column[num_parts] * k >= (1 << 17);
+    _Pragma("omp parallel if (parallel) num_threads(num_threads)") {
+        _Pragma("omp for schedule(static)") for (int64_t row = 0; row < rows; row++) {
+            if (pairs4) offset_pairs(0, sums, k, row, pairs4);
+            if (pairs8) offset_pairs(1, sums, k, row, pairs8);
+        }
+        _Pragma("omp for schedule(static)") for (int64_t unit = 0; unit < units; unit++) {
+            const unit_panels u = unit_at(parts, first_unit, WIDE_PANELS, unit);
+            const kvserve_blocks_weight *w = &parts[u.part];
+            float *o = out + first_column[u.part];
+            if (u.count == 0)
+                panel_tiles(w, u.first, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL, 0, 0);
+            else if (wide_unit(w, u.first, u.count, q, scales, pairs4, pairs8, rows, k, o, ldc))
+                for (int pp = 0; pp < u.count; pp++) /* no memory: the tiles */
+                    panel_tiles(w, u.first + pp, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL,
+                                0, 0);
+        }
+    }
+    return 0;
 }
 #endif
 
@@ -2010,7 +2095,7 @@ static int amx_gemm(const int8_t *q, const float *scales, const int32_t *sums, i
         if (pairs4) {
             _Pragma("omp for schedule(static)")
             for (int64_t row = 0; row < rows; row++)
-                amx_sum_pairs(sums, k, row, pairs4);
+                offset_pairs(0, sums, k, row, pairs4);
         }
         _tile_loadconfig(&AMX_CONFIG);
         _Pragma("omp for schedule(static)")
@@ -2058,11 +2143,11 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
                  num_threads) == 0)
         return 0;
 #endif
-#if BLOCKS_ISA == 1
-    if (wide && !rest && rows >= WIDE_MIN_ROWS) {
-        wide_gemm(q, scales, sums, rows, k, parts, num_parts, first_column, out, ldc, num_threads);
+#if BLOCKS_WIDE
+    if (wide && !rest && rows >= WIDE_MIN_ROWS &&
+        wide_gemm(q, scales, sums, rows, k, parts, num_parts, first_column, out, ldc,
+                  num_threads) == 0)
         return 0;
-    }
 #endif
     const int64_t panels = first_panel[num_parts];
     /* Tasks are (panel, row chunk): with few panels for the threads the rows are cut as well
@@ -2132,7 +2217,7 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
 
 #endif
 
-#if BLOCKS_ISA == 1
+#if BLOCKS_ISA && BLOCKS_WIDE
 int kvserve_blocks_many_rows(void) { return WIDE_MIN_ROWS; }
 #else
 int kvserve_blocks_many_rows(void) { return 0; }
