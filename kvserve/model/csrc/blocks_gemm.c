@@ -859,10 +859,21 @@ ALWAYS vi offset_pair(const int six, const int32_t *s, int t) {
     return vi_set32(offset_pair32(six, s, t));
 }
 
-/* Row `row`'s offset pairs for every super-block, once for all the columns of a many-row
- * product: pairs + (row * (k / 256) + b) * (six ? 8 : 4) holds super-block b's. */
+/* acc + a.b over each lane's two int16 pairs, b the pair at p in every lane (AVX512: broadcast
+ * inside vpdpwssd) */
+ALWAYS vi vi_add_pairs_at(vi acc, vi a, const int32_t *p) {
+#if BLOCKS_ISA == 3
+    __asm__("vpdpwssd %[x]%{1to16%}, %[a], %[s]" : [s] "+v"(acc) : [a] "v"(a), [x] "m"(*p));
+    return acc;
+#else
+    return vi_add_pairs(acc, a, vi_set32(*p));
+#endif
+}
+
+/* Row `row`'s offset pairs for every super-block, once for all the columns of a product:
+ * pairs + (row * (k / 256) + b) * (six ? 8 : 4) holds super-block b's. */
 static inline void offset_pairs(const int six, const int32_t *sums, int64_t k, int64_t row,
-                         int32_t *pairs) {
+                                int32_t *pairs) {
     const int count = six ? 8 : 4;
     for (int64_t b = 0; b < k / 256; b++) {
         const int32_t *s = sums + row * (k / 16) + 16 * b;
@@ -926,6 +937,9 @@ typedef struct {
     const float *e;
     const int32_t *s;
     int64_t k;
+    /* the K-quants' offset pairs (offset_pairs), row i's for super-block b at
+     * p4 + (i * (k / 256) + b) * 4 (Q4_K, Q5_K) or p8 + ... * 8 (Q6_K); NULL: made from s */
+    const int32_t *p4, *p8;
 } tile_rows;
 
 /* Bit t of each byte of `high` moved to bit 4 (bits 2t', 2t'+1 to bits 4, 5 for pairs), the
@@ -1192,7 +1206,14 @@ ALWAYS void tile_products(const int format, const int MR_, const int NV, const i
                 for (int v = 0; v < NV; v++)
                     m[v] = vi_pairs(rec + at + 32 * t + BYTES(v), rec + at + 32 * t + 16 + BYTES(v),
                                     six);
+                const int32_t *made = six ? rows->p8 : rows->p4;
                 _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
+                    if (made) {
+                        const int32_t *pair = made + (i * (rows->k / 256) + r) * (subs / 2) + t;
+                        _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) off[i][v] =
+                            vi_add_pairs_at(off[i][v], m[v], pair);
+                        continue;
+                    }
                     const vi pv = offset_pair(six, rows->s + i * (rows->k / 16) + 16 * r, t);
                     _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) off[i][v] =
                         vi_add_pairs(off[i][v], m[v], pv);
@@ -1735,24 +1756,29 @@ static int amx_unit(const kvserve_blocks_weight *w, int64_t first, int count, co
 int kvserve_blocks_amx(void) { return 0; }
 #endif
 
-/* Panel `local` of part w for rows [start, stop) in the tiles above, out at the part's first
- * column. `padded`: NULL, or the call's last rows from `padded_at` on, copied with zero rows
- * after them to a whole tile of `padded_rows` (see kvserve_blocks_gemm). */
-static void panel_tiles(const kvserve_blocks_weight *w, int64_t local, const int8_t *q,
-                        const int8_t *rest, const float *scales, const int32_t *sums, int64_t k,
+/* Panel `local` of part w for rows [start, stop) of the call's rows x in the tiles above, out
+ * at the part's first column. `padded`: NULL, or the call's last rows from `padded_at` on,
+ * copied with zero rows after them to a whole tile of `padded_rows` (see kvserve_blocks_gemm). */
+static void panel_tiles(const kvserve_blocks_weight *w, int64_t local, const tile_rows *x,
                         int64_t start, int64_t stop, float *out, int64_t ldc,
                         const tile_rows *padded, int64_t padded_at, int64_t padded_rows) {
+    const int64_t k = x->k;
     const format_info *f = find_format(w->format);
     const tile_fn *tiles = tiles_of(w->format);
     const int64_t records = k / f->values;
     const uint8_t *data = w->packed + local * records * f->record;
     const int64_t column = local * PANEL, cols = w->n - column < PANEL ? w->n - column : PANEL;
-    const int64_t most = f->values == 256 && rest ? K_FINE_ROWS : MR;
+    const int64_t most = f->values == 256 && x->r ? K_FINE_ROWS : MR;
     for (int64_t r = start, count; r < stop; r += count) {
         count = most; /* the largest tile that fits the rows left */
         while (count > stop - r) count /= 2;
-        tile_rows tile = {q + r * k, rest ? rest + r * k : NULL, scales + r * (k / 32),
-                          sums + r * (k / 16), k};
+        tile_rows tile = {x->q + r * k,
+                          x->r ? x->r + r * k : NULL,
+                          x->e + r * (k / 32),
+                          x->s + r * (k / 16),
+                          k,
+                          x->p4 ? x->p4 + r * (k / 256) * 4 : NULL,
+                          x->p8 ? x->p8 + r * (k / 256) * 8 : NULL};
         int64_t live = count;
         if (padded && r == padded_at && padded_rows <= most) { /* the rows left, one tile */
             tile = *padded;
@@ -1832,16 +1858,6 @@ typedef struct __attribute__((aligned(64))) {
     vi scale[16][WV], pairs[8][WV];
     vf d[WV], dmin[WV];
 } wide_record;
-
-/* acc + a.b over each lane's two int16 pairs, b the pair at p in every lane */
-ALWAYS vi vi_add_pairs_at(vi acc, vi a, const int32_t *p) {
-#if BLOCKS_ISA == 3
-    __asm__("vpdpwssd %[x]%{1to16%}, %[a], %[s]" : [s] "+v"(acc) : [a] "v"(a), [x] "m"(*p));
-    return acc;
-#else
-    return vi_add_pairs(acc, a, vi_set32(*p));
-#endif
-}
 
 ALWAYS vi vi_load_aligned(const uint8_t *p) {
 #if BLOCKS_ISA == 3
@@ -2036,43 +2052,27 @@ static int wide_unit(const kvserve_blocks_weight *w, int64_t first, int count, c
     }
 }
 
-/* The product of the 8-bit form with K-quant parts, many rows: a task a unit of up to
- * WIDE_PANELS panels of one part (the other parts' panels in the tiles above, all rows a
- * task); the rows' offset pairs once for all the columns first. 0, or -1 without memory for
- * the call's pairs. */
-static int wide_gemm(const int8_t *q, const float *scales, const int32_t *sums, int64_t rows,
-                     int64_t k, const kvserve_blocks_weight *parts, int64_t num_parts,
-                     const int64_t *first_column, float *out, int64_t ldc, int num_threads) {
+/* The product of the 8-bit form with K-quant parts, many rows (x: the call's rows, their
+ * offset pairs made): a task a unit of up to WIDE_PANELS panels of one part (the other parts'
+ * panels in the tiles above, all rows a task). */
+static void wide_gemm(const tile_rows *x, int64_t rows, const kvserve_blocks_weight *parts,
+                      int64_t num_parts, const int64_t *first_column, float *out, int64_t ldc,
+                      int num_threads) {
+    const int64_t k = x->k;
     int64_t first_unit[num_parts + 1];
     const int64_t units = unit_table(parts, num_parts, WIDE_PANELS, first_unit);
-    int q45 = 0, q6 = 0;
-    for (int64_t p = 0; p < num_parts; p++) {
-        q45 |= parts[p].format == KVSERVE_BLOCKS_Q4_K || parts[p].format == KVSERVE_BLOCKS_Q5_K;
-        q6 |= parts[p].format == KVSERVE_BLOCKS_Q6_K;
-    }
-    const size_t per_row = sizeof(int32_t) * (size_t)(k / 256);
-    int32_t *pairs4 = q45 ? thread_scratch(6, 4 * per_row * (size_t)rows) : NULL;
-    int32_t *pairs8 = q6 ? thread_scratch(7, 8 * per_row * (size_t)rows) : NULL;
-    if ((q45 && !pairs4) || (q6 && !pairs8)) return -1;
     const int parallel = units > 1 && rows * first_column[num_parts] * k >= (1 << 17);
-    _Pragma("omp parallel if (parallel) num_threads(num_threads)") {
-        _Pragma("omp for schedule(static)") for (int64_t row = 0; row < rows; row++) {
-            if (pairs4) offset_pairs(0, sums, k, row, pairs4);
-            if (pairs8) offset_pairs(1, sums, k, row, pairs8);
-        }
-        _Pragma("omp for schedule(static)") for (int64_t unit = 0; unit < units; unit++) {
-            const unit_panels u = unit_at(parts, first_unit, WIDE_PANELS, unit);
-            const kvserve_blocks_weight *w = &parts[u.part];
-            float *o = out + first_column[u.part];
-            if (u.count == 0)
-                panel_tiles(w, u.first, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL, 0, 0);
-            else if (wide_unit(w, u.first, u.count, q, scales, pairs4, pairs8, rows, k, o, ldc))
-                for (int pp = 0; pp < u.count; pp++) /* no memory: the tiles */
-                    panel_tiles(w, u.first + pp, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL,
-                                0, 0);
-        }
+    _Pragma("omp parallel for schedule(static) if (parallel) num_threads(num_threads)")
+    for (int64_t unit = 0; unit < units; unit++) {
+        const unit_panels u = unit_at(parts, first_unit, WIDE_PANELS, unit);
+        const kvserve_blocks_weight *w = &parts[u.part];
+        float *o = out + first_column[u.part];
+        if (u.count == 0)
+            panel_tiles(w, u.first, x, 0, rows, o, ldc, NULL, 0, 0);
+        else if (wide_unit(w, u.first, u.count, x->q, x->e, x->p4, x->p8, rows, k, o, ldc))
+            for (int pp = 0; pp < u.count; pp++) /* no memory: the tiles */
+                panel_tiles(w, u.first + pp, x, 0, rows, o, ldc, NULL, 0, 0);
     }
-    return 0;
 }
 #endif
 
@@ -2108,12 +2108,12 @@ static int amx_gemm(const int8_t *q, const float *scales, const int32_t *sums, i
             const unit_panels u = unit_at(parts, first_unit, AMX_PANELS, unit);
             const kvserve_blocks_weight *w = &parts[u.part];
             float *o = out + first_column[u.part];
+            const tile_rows all = {q, NULL, scales, sums, k, NULL, NULL};
             if (u.count == 0)
-                panel_tiles(w, u.first, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL, 0, 0);
+                panel_tiles(w, u.first, &all, 0, rows, o, ldc, NULL, 0, 0);
             else if (amx_unit(w, u.first, u.count, &x, o, ldc) != 0) /* no memory: the tiles */
                 for (int pp = 0; pp < u.count; pp++)
-                    panel_tiles(w, u.first + pp, q, NULL, scales, sums, k, 0, rows, o, ldc, NULL,
-                                0, 0);
+                    panel_tiles(w, u.first + pp, &all, 0, rows, o, ldc, NULL, 0, 0);
         }
         _tile_release();
     }
@@ -2148,11 +2148,26 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
                  num_threads) == 0)
         return 0;
 #endif
+    /* the K-quants' offset pairs, once for all the columns (offset_pairs; without memory
+     * for them, each tile makes its own) */
+    int q45 = 0, q6 = 0;
+    for (int64_t p = 0; p < num_parts && !rest; p++) {
+        q45 |= parts[p].format == KVSERVE_BLOCKS_Q4_K || parts[p].format == KVSERVE_BLOCKS_Q5_K;
+        q6 |= parts[p].format == KVSERVE_BLOCKS_Q6_K;
+    }
+    const size_t per_row = sizeof(int32_t) * (size_t)(k / 256);
+    int32_t *pairs4 = q45 ? thread_scratch(6, 4 * per_row * (size_t)rows) : NULL;
+    int32_t *pairs8 = q6 ? thread_scratch(7, 8 * per_row * (size_t)rows) : NULL;
+    for (int64_t row = 0; row < rows; row++) {
+        if (pairs4) offset_pairs(0, sums, k, row, pairs4);
+        if (pairs8) offset_pairs(1, sums, k, row, pairs8);
+    }
+    const tile_rows all = {q, rest, scales, sums, k, pairs4, pairs8};
 #if BLOCKS_WIDE
-    if (wide && !rest && rows >= WIDE_MIN_ROWS &&
-        wide_gemm(q, scales, sums, rows, k, parts, num_parts, first_column, out, ldc,
-                  num_threads) == 0)
+    if (wide && !rest && rows >= WIDE_MIN_ROWS && (pairs4 || !q45) && (pairs8 || !q6)) {
+        wide_gemm(&all, rows, parts, num_parts, first_column, out, ldc, num_threads);
         return 0;
+    }
 #endif
     const int64_t panels = first_panel[num_parts];
     /* Tasks are (panel, row chunk): with few panels for the threads the rows are cut as well
@@ -2179,17 +2194,24 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
         const size_t q_bytes = (size_t)(padded_rows * k);
         const size_t e_bytes = sizeof(float) * (size_t)(padded_rows * (k / 32));
         const size_t s_bytes = sizeof(int32_t) * (size_t)(padded_rows * (k / 16));
-        copy = calloc(1, (rest ? 2 : 1) * q_bytes + e_bytes + s_bytes);
+        const size_t p_bytes = 12 * per_row * (size_t)padded_rows; /* pairs, 4 and 8 a block */
+        copy = calloc(1, (rest ? 2 : 1) * q_bytes + e_bytes + s_bytes + p_bytes);
         if (copy) {
             int8_t *pq = copy;
             float *pe = (float *)(pq + q_bytes);
             int32_t *ps = (int32_t *)((uint8_t *)pe + e_bytes);
-            int8_t *pr = rest ? (int8_t *)((uint8_t *)ps + s_bytes) : NULL;
+            int32_t *p4 = (int32_t *)((uint8_t *)ps + s_bytes);
+            int32_t *p8 = p4 + 4 * padded_rows * (k / 256);
+            int8_t *pr = rest ? (int8_t *)((uint8_t *)p4 + p_bytes) : NULL;
             memcpy(pq, q + padded_at * k, (size_t)(left * k));
             if (pr) memcpy(pr, rest + padded_at * k, (size_t)(left * k));
             memcpy(pe, scales + padded_at * (k / 32), sizeof(float) * (size_t)(left * (k / 32)));
             memcpy(ps, sums + padded_at * (k / 16), sizeof(int32_t) * (size_t)(left * (k / 16)));
-            padded = (tile_rows){pq, pr, pe, ps, k};
+            for (int64_t row = 0; row < padded_rows; row++) {
+                if (pairs4) offset_pairs(0, ps, k, row, p4);
+                if (pairs8) offset_pairs(1, ps, k, row, p8);
+            }
+            padded = (tile_rows){pq, pr, pe, ps, k, pairs4 ? p4 : NULL, pairs8 ? p8 : NULL};
         }
     }
     const tile_rows *pad = copy ? &padded : NULL;
@@ -2200,8 +2222,8 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
         const int64_t stop = start + chunk < rows ? start + chunk : rows;
         int64_t p = 0;
         while (first_panel[p + 1] <= panel) p++;
-        panel_tiles(&parts[p], panel - first_panel[p], q, rest, scales, sums, k, start, stop,
-                    out + first_column[p], ldc, pad, padded_at, padded_rows);
+        panel_tiles(&parts[p], panel - first_panel[p], &all, start, stop, out + first_column[p],
+                    ldc, pad, padded_at, padded_rows);
     }
     free(copy);
     return 0;
