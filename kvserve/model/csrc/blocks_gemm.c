@@ -1918,10 +1918,11 @@ ALWAYS void wide_expand(const int six, const format_info *f, const uint8_t *rec,
 
 /*
  * Super-block r of a record for R rows (row i's values at q + i * k) and its 16 columns: the
- * sums A, int32 per row and 8 columns (for 4 rows in L1 between sub-blocks, for 2 in
- * registers), then B and kquant_update into res (row i's 16 floats at res + stride * i).
- * group: 4-input steps whose int16 pair sums may be added before widening (the bounds of the
- * header comment).
+ * sums A, int32 per row and vector of columns (AVX2: 8 columns, for 4 rows in L1 between
+ * sub-blocks, for 2 in registers; AVX512: 16 columns, in registers), then B from the rows'
+ * offset pairs (row i's at pairs + i * (k / 256) * (subs / 2)) and kquant_update into res
+ * (row i's 16 floats at res + stride * i). group: 4-input steps whose sums are added before
+ * they are scaled (AVX2: the int16 bounds of the header comment; VNNI: a sub-block).
  */
 ALWAYS void wide_rows(const int six, const int group, const int R, const wide_record *o,
                       const int8_t *q, const float *e, const int32_t *pairs, int64_t k, int64_t r,
