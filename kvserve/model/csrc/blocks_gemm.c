@@ -827,12 +827,12 @@ ALWAYS vsum vsum_step_at(vsum s, vi u, const int8_t *p) { return vsum_step(s, u,
 
 /* A thread's buffer `slot` of at least `bytes` (64-byte aligned), grown as needed and kept for
  * the thread's life; NULL when memory runs out. Slots: the tile unit's 0 (a unit's expanded
- * weights), 1 (its float sums), 2 (the call's activation tiles), 3 (their sums' pairs); the
- * record-by-record path's 4 (a unit's float sums), 5 (its expanded records), 6 and 7 (the
- * call's offset pairs). */
+ * weights), 1 (its float sums), 2 (the call's activation tiles); the record-by-record path's
+ * 4 (a unit's float sums), 5 (its expanded records); the call's offset pairs 3 (Q4_K, Q5_K)
+ * and 6 (Q6_K), made by the calling thread for every path. */
 static inline void *thread_scratch(int slot, size_t bytes) {
-    static _Thread_local void *buffer[8];
-    static _Thread_local size_t size[8];
+    static _Thread_local void *buffer[7];
+    static _Thread_local size_t size[7];
     if (size[slot] < bytes) {
         free(buffer[slot]);
         bytes = (bytes + 4095) & ~(size_t)4095;
@@ -2080,41 +2080,32 @@ static void wide_gemm(const tile_rows *x, int64_t rows, const kvserve_blocks_wei
 #if BLOCKS_AMX
 /* The product of the 8-bit form with K-quant parts on the tile unit (the other parts' panels
  * in the tiles above, all rows a task): 0, or -1 without memory for the call's buffers. */
-static int amx_gemm(const int8_t *q, const float *scales, const int32_t *sums, int64_t rows,
-                    int64_t k, const kvserve_blocks_weight *parts, int64_t num_parts,
-                    const int64_t *first_column, float *out, int64_t ldc, int num_threads) {
-    const int64_t blocks = k / 256, groups = (rows + 31) / 32;
+/* all: the call's rows, their offset pairs made (the Q4_K and Q5_K parts take p4). */
+static int amx_gemm(const tile_rows *all, int64_t rows, const kvserve_blocks_weight *parts,
+                    int64_t num_parts, const int64_t *first_column, float *out, int64_t ldc,
+                    int num_threads) {
+    const int64_t k = all->k, blocks = k / 256, groups = (rows + 31) / 32;
     int64_t first_unit[num_parts + 1];
     const int64_t units = unit_table(parts, num_parts, AMX_PANELS, first_unit);
-    int q45 = 0; /* a Q4_K or Q5_K part: their offsets take the sums' pairs */
-    for (int64_t p = 0; p < num_parts; p++)
-        q45 |= parts[p].format == KVSERVE_BLOCKS_Q4_K || parts[p].format == KVSERVE_BLOCKS_Q5_K;
     int8_t *tiles = thread_scratch(2, (size_t)(blocks * groups * 8192));
-    int32_t *pairs4 = q45 ? thread_scratch(3, sizeof(int32_t) * (size_t)(rows * blocks * 4)) : NULL;
-    if (!tiles || (q45 && !pairs4)) return -1;
-    const amx_rows x = {tiles, pairs4, scales, rows, k, groups};
+    if (!tiles) return -1;
+    const amx_rows x = {tiles, all->p4, all->e, rows, k, groups};
     const int parallel = units > 1 && rows * first_column[num_parts] * k >= (1 << 17);
     _Pragma("omp parallel if (parallel) num_threads(num_threads)") {
         _Pragma("omp for schedule(static)")
         for (int64_t task = 0; task < blocks * groups; task++)
-            amx_copy_tiles(q, rows, k, groups, tiles, task);
-        if (pairs4) {
-            _Pragma("omp for schedule(static)")
-            for (int64_t row = 0; row < rows; row++)
-                offset_pairs(0, sums, k, row, pairs4);
-        }
+            amx_copy_tiles(all->q, rows, k, groups, tiles, task);
         _tile_loadconfig(&AMX_CONFIG);
         _Pragma("omp for schedule(static)")
         for (int64_t unit = 0; unit < units; unit++) {
             const unit_panels u = unit_at(parts, first_unit, AMX_PANELS, unit);
             const kvserve_blocks_weight *w = &parts[u.part];
             float *o = out + first_column[u.part];
-            const tile_rows all = {q, NULL, scales, sums, k, NULL, NULL};
             if (u.count == 0)
-                panel_tiles(w, u.first, &all, 0, rows, o, ldc, NULL, 0, 0);
+                panel_tiles(w, u.first, all, 0, rows, o, ldc, NULL, 0, 0);
             else if (amx_unit(w, u.first, u.count, &x, o, ldc) != 0) /* no memory: the tiles */
                 for (int pp = 0; pp < u.count; pp++)
-                    panel_tiles(w, u.first + pp, &all, 0, rows, o, ldc, NULL, 0, 0);
+                    panel_tiles(w, u.first + pp, all, 0, rows, o, ldc, NULL, 0, 0);
         }
         _tile_release();
     }
@@ -2143,27 +2134,26 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
     if (wide && !rest)
         for (int64_t i = 0; i < rows * (k / 32); i++)
             if (scales[i] != scales[i - i % 8]) return -3;
-#if BLOCKS_AMX
-    if (wide && !rest && rows >= AMX_MIN_ROWS && kvserve_blocks_amx() &&
-        amx_gemm(q, scales, sums, rows, k, parts, num_parts, first_column, out, ldc,
-                 num_threads) == 0)
-        return 0;
-#endif
-    /* the K-quants' offset pairs, once for all the columns (offset_pairs; without memory
-     * for them, each tile makes its own) */
+    /* the K-quants' offset pairs, once for all the columns and every path (offset_pairs;
+     * without memory for them, the many-row paths are not taken and each tile makes its own) */
     int q45 = 0, q6 = 0;
     for (int64_t p = 0; p < num_parts && !rest; p++) {
         q45 |= parts[p].format == KVSERVE_BLOCKS_Q4_K || parts[p].format == KVSERVE_BLOCKS_Q5_K;
         q6 |= parts[p].format == KVSERVE_BLOCKS_Q6_K;
     }
     const size_t per_row = sizeof(int32_t) * (size_t)(k / 256);
-    int32_t *pairs4 = q45 ? thread_scratch(6, 4 * per_row * (size_t)rows) : NULL;
-    int32_t *pairs8 = q6 ? thread_scratch(7, 8 * per_row * (size_t)rows) : NULL;
+    int32_t *pairs4 = q45 ? thread_scratch(3, 4 * per_row * (size_t)rows) : NULL;
+    int32_t *pairs8 = q6 ? thread_scratch(6, 8 * per_row * (size_t)rows) : NULL;
     for (int64_t row = 0; row < rows; row++) {
         if (pairs4) offset_pairs(0, sums, k, row, pairs4);
         if (pairs8) offset_pairs(1, sums, k, row, pairs8);
     }
     const tile_rows all = {q, rest, scales, sums, k, pairs4, pairs8};
+#if BLOCKS_AMX
+    if (wide && !rest && rows >= AMX_MIN_ROWS && kvserve_blocks_amx() && (pairs4 || !q45) &&
+        amx_gemm(&all, rows, parts, num_parts, first_column, out, ldc, num_threads) == 0)
+        return 0;
+#endif
 #if BLOCKS_WIDE
     if (wide && !rest && rows >= WIDE_MIN_ROWS && (pairs4 || !q45) && (pairs8 || !q6)) {
         wide_gemm(&all, rows, parts, num_parts, first_column, out, ldc, num_threads);
