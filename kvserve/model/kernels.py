@@ -236,9 +236,7 @@ class CpuKernels:
         self.blocks_amx_rows = probe("kvserve_blocks_amx") if self.blocks_isa is not None else 0
         # the rows from which on the vector instructions take them record by record (AVX2, and
         # AVX512 where the tile unit does not take them; 0: never)
-        self.blocks_many_rows = (
-            probe("kvserve_blocks_many_rows") if self.blocks_isa and not self.blocks_amx_rows else 0
-        )
+        self.blocks_many_rows = probe("kvserve_blocks_many_rows") if self.blocks_isa else 0
         if self.has("blocks"):
             self._check_block_formats()
 

@@ -49,8 +49,9 @@ int kvserve_blocks_isa(void);
 int kvserve_blocks_amx(void);
 
 /* The rows from which on kvserve_blocks_gemm takes the K-quant parts of 8-bit products record
- * by record, each record expanded once for all the rows (the AVX2 build without VNNI; the same
- * float32 results, bit for bit), 0 where it does not. */
+ * by record, each record expanded once for all the rows (the AVX2 build without VNNI, and the
+ * AVX512 one where the AMX-INT8 tile unit does not run; the same float32 results, bit for bit),
+ * 0 where it does not. */
 int kvserve_blocks_many_rows(void);
 
 /* Inputs per block (32 or 256), bytes per GGUF block, bytes per packed record of 16 columns;

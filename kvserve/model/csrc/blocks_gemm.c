@@ -2235,8 +2235,8 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
 
 #endif
 
-#if BLOCKS_ISA && BLOCKS_WIDE
-int kvserve_blocks_many_rows(void) { return WIDE_MIN_ROWS; }
+#if BLOCKS_WIDE /* the tile unit, where it runs, takes those rows first */
+int kvserve_blocks_many_rows(void) { return kvserve_blocks_amx() ? 0 : WIDE_MIN_ROWS; }
 #else
 int kvserve_blocks_many_rows(void) { return 0; }
 #endif
