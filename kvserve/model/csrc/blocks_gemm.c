@@ -1089,13 +1089,12 @@ ALWAYS void block_sums8(const int MR_, const int NV, const int fine, const uint8
 /*
  * The K-quants' 8-bit form spreads its prefetches over the record instead: each sub-block
  * prefetches its share of the lines, 1.5 KB ahead for tiles of 1-2 rows (AVX512: 4.5 KB, below)
- * and 3 KB for 4-8. All of a record's 37-53 lines asked at once fill the core's line-fill
- * buffers, and the 8-row tile then waited at the prefetch (42% of its samples on the
- * instruction after it) while its sums
- * had nothing in flight to overlap. Measured on the Sapphire Rapids machine (the 1.5B's products
- * of a decode step, 28 layers, 2 threads, 14 alternated rounds, min): 8 rows 68.2 ms at 1.5 KB,
- * 62.4 at 3 KB (the burst: 70.2); 1, 2 and 4 rows within the noise of the burst; the AVX2 build
- * unchanged (1, 4, 8 rows).
+ * and 3 KB for 4-8 (Q6_K: further, below). All of a record's 37-53 lines asked at once fill the
+ * core's line-fill buffers, and the 8-row tile then waited at the prefetch (42% of its samples
+ * on the instruction after it) while its sums had nothing in flight to overlap. Measured on the
+ * Sapphire Rapids machine (the 1.5B's products of a decode step, 28 layers, 2 threads, 14
+ * alternated rounds, min): 8 rows 68.2 ms at 1.5 KB, 62.4 at 3 KB (the burst: 70.2); 1, 2 and 4
+ * rows within the noise of the burst; the AVX2 build unchanged (1, 4, 8 rows).
  */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 1536
@@ -1104,7 +1103,14 @@ ALWAYS void block_sums8(const int MR_, const int NV, const int fine, const uint8
  * products of a decode step, 28 layers, 2 threads, alternated in one process, min of 12-16)
  * 1 row 26.9 -> 25.6-25.9 ms, 2 rows 29.9 -> 26.2 (3 KB about the same), where
  * the 1-row tile's samples had waited on the first loads of each record (its scales, d) */
-#define SPREAD_AHEAD(rows) ((rows) >= 4 ? 3072 : (BLOCKS_ISA == 3 ? 4608 : 1536))
+/* Q6_K's tiles of 4-8 rows go 2 records and 2 KB ahead (8,768 bytes; its records are 3,360
+ * bytes, 3 KB was less than one): on the Zen 4 machine the 1.5B's down products (Q6_K, 28
+ * layers, 2 threads, alternated in one process, min of 8-10) 8 rows 14.6-15.0 -> 13.7-14.0 ms,
+ * 4 rows 10.8 -> 10.1; in its AVX2 build 4 rows 13.9 -> 13.1-13.3, 8 rows 24.5-24.6 -> 24.2-24.3.
+ * Q4_K's 3 KB stays: its gate|up at 8 rows 19.3 -> 19.6-21.3 ms with 2 records and 2 KB, and
+ * asking for the next records' scales and d early (they end each record) gained nothing. */
+#define SPREAD_AHEAD(rows, six, record)                                                            \
+    ((rows) >= 4 ? ((six) ? 2 * (record) + 2048 : 3072) : (BLOCKS_ISA == 3 ? 4608 : 1536))
 #ifdef KVSERVE_PREFETCH_NTA
 #define PREFETCH_LOCALITY 0
 #else
@@ -1182,7 +1188,8 @@ ALWAYS void tile_products(const int format, const int MR_, const int NV, const i
                     const int64_t to =
                         j == subs - 1 ? f->record : f->record * (j + 1) / subs / 64 * 64;
                     for (int64_t at = from; at < to; at += 64)
-                        __builtin_prefetch(rec + SPREAD_AHEAD(MR_) + at, 0, PREFETCH_LOCALITY);
+                        __builtin_prefetch(rec + SPREAD_AHEAD(MR_, six, f->record) + at, 0,
+                                           PREFETCH_LOCALITY);
                 }
                 vi scale[2];
                 for (int v = 0; v < NV; v++)
