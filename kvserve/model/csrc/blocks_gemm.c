@@ -870,16 +870,17 @@ ALWAYS vi vi_add_pairs_at(vi acc, vi a, const int32_t *p) {
 #endif
 }
 
-/* Row `row`'s offset pairs for every super-block, once for all the columns of a product:
- * pairs + (row * (k / 256) + b) * (six ? 8 : 4) holds super-block b's. */
-static inline void offset_pairs(const int six, const int32_t *sums, int64_t k, int64_t row,
+/* The offset pairs of `rows` rows for every super-block, once for all the columns of a
+ * product: pairs + (row * (k / 256) + b) * (six ? 8 : 4) holds row's for super-block b. */
+static inline void offset_pairs(const int six, const int32_t *sums, int64_t k, int64_t rows,
                                 int32_t *pairs) {
     const int count = six ? 8 : 4;
-    for (int64_t b = 0; b < k / 256; b++) {
-        const int32_t *s = sums + row * (k / 16) + 16 * b;
-        int32_t *o = pairs + (row * (k / 256) + b) * count;
-        for (int t = 0; t < count; t++) o[t] = offset_pair32(six, s, t);
-    }
+    for (int64_t row = 0; row < rows; row++)
+        for (int64_t b = 0; b < k / 256; b++) {
+            const int32_t *s = sums + row * (k / 16) + 16 * b;
+            int32_t *o = pairs + (row * (k / 256) + b) * count;
+            for (int t = 0; t < count; t++) o[t] = offset_pair32(six, s, t);
+        }
 }
 
 /* The K-quants' float update of a row's super-block in the 8-bit form, e the row's scale for
@@ -2151,10 +2152,8 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
     const size_t per_row = sizeof(int32_t) * (size_t)(k / 256);
     int32_t *pairs4 = q45 ? thread_scratch(3, 4 * per_row * (size_t)rows) : NULL;
     int32_t *pairs8 = q6 ? thread_scratch(6, 8 * per_row * (size_t)rows) : NULL;
-    for (int64_t row = 0; row < rows; row++) {
-        if (pairs4) offset_pairs(0, sums, k, row, pairs4);
-        if (pairs8) offset_pairs(1, sums, k, row, pairs8);
-    }
+    if (pairs4) offset_pairs(0, sums, k, rows, pairs4);
+    if (pairs8) offset_pairs(1, sums, k, rows, pairs8);
     const tile_rows all = {q, rest, scales, sums, k, pairs4, pairs8};
 #if BLOCKS_AMX
     if (wide && !rest && rows >= AMX_MIN_ROWS && kvserve_blocks_amx() && (pairs4 || !q45) &&
@@ -2205,10 +2204,8 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
             if (pr) memcpy(pr, rest + padded_at * k, (size_t)(left * k));
             memcpy(pe, scales + padded_at * (k / 32), sizeof(float) * (size_t)(left * (k / 32)));
             memcpy(ps, sums + padded_at * (k / 16), sizeof(int32_t) * (size_t)(left * (k / 16)));
-            for (int64_t row = 0; row < padded_rows; row++) {
-                if (pairs4) offset_pairs(0, ps, k, row, p4);
-                if (pairs8) offset_pairs(1, ps, k, row, p8);
-            }
+            if (pairs4) offset_pairs(0, ps, k, padded_rows, p4);
+            if (pairs8) offset_pairs(1, ps, k, padded_rows, p8);
             padded = (tile_rows){pq, pr, pe, ps, k, pairs4 ? p4 : NULL, pairs8 ? p8 : NULL};
         }
     }
