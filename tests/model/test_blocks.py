@@ -299,6 +299,39 @@ def test_fused_parts_keep_their_formats_and_equal_separate_products():
 
 
 @needs_product
+def test_every_panel_is_computed_once_whatever_the_threads_and_their_speeds():
+    """The threads share a product's panels out (csrc/task_ranges.h: each its own range, the
+    ones that finish first taking groups from the ends of the others'). With more threads than
+    cores some wait for a core and the others take over their ranges: the results stay the
+    same floats as on one thread, for the tiles (1, 8 and 37 rows) and record by record (130
+    rows), a product of several formats and one of a single K-quant (two inputs in turn, so
+    that a panel left out would keep the other's results)."""
+    generator = torch.Generator().manual_seed(5)
+    products = [
+        BlockLinear([from_raw("Q4_K", random_raw("Q4_K", 1000, 512, seed=1))]),
+        BlockLinear([
+            from_raw(qtype, random_raw(qtype, n, 512, seed=i), torch.randn(n, generator=generator))
+            for i, (qtype, n) in enumerate([("Q4_K", 300), ("Q6_K", 96), ("Q8_0", 40)])
+        ]),
+    ]  # fmt: skip
+    inputs = [torch.randn(130, 512, generator=generator) * 3 for _ in range(2)]
+    threads = torch.get_num_threads()
+    try:
+        for product in products:
+            for rows in (1, 8, 37, 130):
+                acts = [act_blocks(x[:rows]) for x in inputs]
+                torch.set_num_threads(1)
+                alone = [product.apply(act) for act in acts]
+                for count in (2, 3, 8):
+                    torch.set_num_threads(count)
+                    for _ in range(3):
+                        for act, expect in zip(acts, alone, strict=True):
+                            assert torch.equal(product.apply(act), expect), (rows, count)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_product
 @pytest.mark.parametrize("fine", [False, True], ids=["8-bit", "12-bit"])
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_a_row_does_not_depend_on_its_batch_mates_or_the_threads(qtype, fine):

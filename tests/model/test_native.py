@@ -312,6 +312,27 @@ def test_float32_row_product_matches_float64_and_each_row_is_the_same_in_any_bat
 
 
 @needs_row_product
+def test_float32_row_product_is_the_same_on_any_number_of_threads(native):
+    """Its panels shared out among the threads (csrc/task_ranges.h), more threads than cores
+    included: each panel computed once, the same floats as on one thread (two inputs in turn,
+    so that a panel left out would keep the other's results)."""
+    g = gen(17)
+    weight, bias = torch.randn(3000, 64, generator=g), torch.randn(3000, generator=g)
+    inputs = [torch.randn(3, 64, generator=g) for _ in range(2)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [native.f32_gemm(x, weight, bias) for x in inputs]
+        for count in (2, 3, 8):
+            torch.set_num_threads(count)
+            for _ in range(3):
+                for x, expect in zip(inputs, alone, strict=True):
+                    assert torch.equal(native.f32_gemm(x, weight, bias), expect), count
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_row_product
 def test_float32_linear_layers_take_the_row_product_up_to_its_row_count(native):
     g = gen(3)
     weight, bias = torch.randn(100, 64, generator=g), torch.randn(100, generator=g)

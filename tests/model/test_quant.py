@@ -300,6 +300,27 @@ def test_int8_gemm_is_exact(rows, n, k, native):
     assert torch.equal(native.int8_gemm(a[-1:].contiguous(), panels, correction, n)[0], got[-1])
 
 
+def test_int8_gemm_is_the_same_on_any_number_of_threads(native):
+    """The threads share the column blocks out (csrc/task_ranges.h); with more threads than
+    cores, some wait and the others take over their blocks: every block is computed once (two
+    inputs in turn, so that a block left out would keep the other's results)."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randint(-127, 128, (16384, 512), generator=g, dtype=torch.int8)
+    inputs = [torch.randint(-127, 128, (9, 512), generator=g, dtype=torch.int8) for _ in range(2)]
+    panels, correction = quant.pack_int8_weight(w)
+    expect = [a.long() @ w.long().t() for a in inputs]
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3, 8):
+            torch.set_num_threads(count)
+            for _ in range(3):
+                for a, product in zip(inputs, expect, strict=True):
+                    got = native.int8_gemm(a, panels, correction, 16384)
+                    assert torch.equal(got.long(), product), count
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_kernels
 def test_the_int8_products_vector_path_beside_its_tile_path(native, tmp_path, monkeypatch):
     """Where the CPU has AMX-INT8, products of 2 rows and more run on the tile unit (the banner

@@ -112,6 +112,26 @@ def test_a_row_does_not_depend_on_its_batch_mates(native):
 
 
 @needs_kernels
+def test_a_product_is_the_same_on_any_number_of_threads(native):
+    """Its panels shared out among the threads (csrc/task_ranges.h), more threads than cores
+    included: each panel computed once, the same floats as on one thread (two inputs in turn,
+    so that a panel left out would keep the other's results)."""
+    weight = quant4.Q4Linear.from_blocks(random_blocks(2000, 256, "Q4_1", seed=3), kernels=native)
+    inputs = [native.quantize_blocks(torch.randn(5, 256)) for _ in range(2)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [weight.apply(act) for act in inputs]
+        for count in (2, 3, 8):
+            torch.set_num_threads(count)
+            for _ in range(3):
+                for act, expect in zip(inputs, alone, strict=True):
+                    assert torch.equal(weight.apply(act), expect), count
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
 def test_the_kernels_refuse_what_they_cannot_take(native):
     weight = quant4.Q4Linear.from_blocks(random_blocks(64, 64, "Q4_0"), kernels=native)
     q, scales, sums = native.quantize_blocks(torch.randn(2, 64))

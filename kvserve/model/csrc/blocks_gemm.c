@@ -88,6 +88,7 @@
 #pragma GCC optimize("align-loops=64")
 #include "blocks.h"
 #include "common.h"
+#include "task_ranges.h"
 
 #define ALWAYS static inline __attribute__((always_inline))
 
@@ -2071,16 +2072,20 @@ static void wide_gemm(const tile_rows *x, int64_t rows, const kvserve_blocks_wei
     int64_t first_unit[num_parts + 1];
     const int64_t units = unit_table(parts, num_parts, WIDE_PANELS, first_unit);
     const int parallel = units > 1 && rows * first_column[num_parts] * k >= (1 << 17);
-    _Pragma("omp parallel for schedule(static) if (parallel) num_threads(num_threads)")
-    for (int64_t unit = 0; unit < units; unit++) {
-        const unit_panels u = unit_at(parts, first_unit, WIDE_PANELS, unit);
-        const kvserve_blocks_weight *w = &parts[u.part];
-        float *o = out + first_column[u.part];
-        if (u.count == 0)
-            panel_tiles(w, u.first, x, 0, rows, o, ldc, NULL, 0, 0);
-        else if (wide_unit(w, u.first, u.count, x->q, x->e, x->p4, x->p8, rows, k, o, ldc))
-            for (int pp = 0; pp < u.count; pp++) /* no memory: the tiles */
-                panel_tiles(w, u.first + pp, x, 0, rows, o, ldc, NULL, 0, 0);
+    task_share share;
+    const int teams = task_share_init(&share, units, parallel ? num_threads : 1);
+    _Pragma("omp parallel if (teams > 1) num_threads(teams)") {
+        task_cursor c = task_cursor_of(&share);
+        for (int64_t unit; (unit = next_task(&c)) >= 0;) {
+            const unit_panels u = unit_at(parts, first_unit, WIDE_PANELS, unit);
+            const kvserve_blocks_weight *w = &parts[u.part];
+            float *o = out + first_column[u.part];
+            if (u.count == 0)
+                panel_tiles(w, u.first, x, 0, rows, o, ldc, NULL, 0, 0);
+            else if (wide_unit(w, u.first, u.count, x->q, x->e, x->p4, x->p8, rows, k, o, ldc))
+                for (int pp = 0; pp < u.count; pp++) /* no memory: the tiles */
+                    panel_tiles(w, u.first + pp, x, 0, rows, o, ldc, NULL, 0, 0);
+        }
     }
 }
 #endif
@@ -2210,15 +2215,20 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
         }
     }
     const tile_rows *pad = copy ? &padded : NULL;
-    const int parallel = panels * chunks > 1 && rows * first_column[num_parts] * k >= (1 << 17);
-    _Pragma("omp parallel for schedule(static) if (parallel) num_threads(num_threads)")
-    for (int64_t task = 0; task < panels * chunks; task++) {
-        const int64_t panel = task / chunks, start = (task % chunks) * chunk;
-        const int64_t stop = start + chunk < rows ? start + chunk : rows;
-        int64_t p = 0;
-        while (first_panel[p + 1] <= panel) p++;
-        panel_tiles(&parts[p], panel - first_panel[p], &all, start, stop, out + first_column[p],
-                    ldc, pad, padded_at, padded_rows);
+    const int64_t tasks = panels * chunks;
+    const int parallel = tasks > 1 && rows * first_column[num_parts] * k >= (1 << 17);
+    task_share share;
+    const int teams = task_share_init(&share, tasks, parallel ? num_threads : 1);
+    _Pragma("omp parallel if (teams > 1) num_threads(teams)") {
+        task_cursor c = task_cursor_of(&share);
+        for (int64_t task; (task = next_task(&c)) >= 0;) {
+            const int64_t panel = task / chunks, start = (task % chunks) * chunk;
+            const int64_t stop = start + chunk < rows ? start + chunk : rows;
+            int64_t p = 0;
+            while (first_panel[p + 1] <= panel) p++;
+            panel_tiles(&parts[p], panel - first_panel[p], &all, start, stop, out + first_column[p],
+                        ldc, pad, padded_at, padded_rows);
+        }
     }
     free(copy);
     return 0;

@@ -18,6 +18,7 @@
 
 #include "common.h"
 #include "f32_gemm.h"
+#include "task_ranges.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 
@@ -61,13 +62,18 @@ void kvserve_f32_gemm(const float *x, int64_t rows, int64_t k, const float *w, i
                       const float *bias, float *out, int num_threads) {
     if (rows <= 0 || n <= 0) return;
     const int64_t panels = n / 4;
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (panels > 1)")
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t j = 4 * p;
-        const float *b = bias ? bias + j : NULL;
-        int64_t r = 0;
-        for (; r + 2 <= rows; r += 2) panel_rows(x + r * k, 2, k, w + j * k, b, out + r * n + j, n);
-        if (r < rows) panel_rows(x + r * k, 1, k, w + j * k, b, out + r * n + j, n);
+    task_share share; /* (task_ranges.h) */
+    const int teams = task_share_init(&share, panels, panels > 1 ? num_threads : 1);
+    _Pragma("omp parallel if (teams > 1) num_threads(teams)") {
+        task_cursor cursor = task_cursor_of(&share);
+        for (int64_t p; (p = next_task(&cursor)) >= 0;) {
+            const int64_t j = 4 * p;
+            const float *b = bias ? bias + j : NULL;
+            int64_t r = 0;
+            for (; r + 2 <= rows; r += 2)
+                panel_rows(x + r * k, 2, k, w + j * k, b, out + r * n + j, n);
+            if (r < rows) panel_rows(x + r * k, 1, k, w + j * k, b, out + r * n + j, n);
+        }
     }
     for (int64_t j = panels * 4; j < n; j++)
         column_rows(x, rows, k, w + j * k, bias ? bias + j : NULL, out + j, n);

@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "task_ranges.h"
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define KVSERVE_INT8_ISA 1
@@ -305,23 +307,28 @@ void kvserve_int8_gemm(const int8_t *a, int64_t rows, int64_t k, const int8_t *p
     const int64_t chunk = blocks % 2 && rows >= 12 ? ((rows + 1) / 2 + 5) / 6 * 6 : rows;
     const int64_t chunks = (rows + chunk - 1) / chunk;
     const int parallel = blocks * chunks > 1 && rows * n * k >= (1 << 18);
-    _Pragma("omp parallel for schedule(static) if (parallel) num_threads(num_threads)")
-    for (int64_t task = 0; task < blocks * chunks; task++) {
-        const int64_t nb = task / chunks, first = (task % chunks) * chunk;
-        const int64_t last = first + chunk < rows ? first + chunk : rows;
-        const int8_t *panel = packed + nb * steps * BLOCK_COLS * 4;
-        const int32_t *fix = correction + nb * BLOCK_COLS;
-        const int64_t cols = n - nb * BLOCK_COLS < BLOCK_COLS ? n - nb * BLOCK_COLS : BLOCK_COLS;
-        int32_t *out = c + nb * BLOCK_COLS;
-        int64_t i = first;
-        for (; i + 6 <= last; i += 6) micro_6(a + i * k, k, panel, steps, fix, out + i * n, n, cols);
-        switch (last - i) {
-        case 5: micro_5(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
-        case 4: micro_4(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
-        case 3: micro_3(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
-        case 2: micro_2(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
-        case 1: micro_1(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
-        default: break;
+    task_share share; /* (task_ranges.h) */
+    const int teams = task_share_init(&share, blocks * chunks, parallel ? num_threads : 1);
+    _Pragma("omp parallel if (teams > 1) num_threads(teams)") {
+        task_cursor cursor = task_cursor_of(&share);
+        for (int64_t task; (task = next_task(&cursor)) >= 0;) {
+            const int64_t nb = task / chunks, first = (task % chunks) * chunk;
+            const int64_t last = first + chunk < rows ? first + chunk : rows;
+            const int8_t *panel = packed + nb * steps * BLOCK_COLS * 4;
+            const int32_t *fix = correction + nb * BLOCK_COLS;
+            const int64_t left = n - nb * BLOCK_COLS, cols = left < BLOCK_COLS ? left : BLOCK_COLS;
+            int32_t *out = c + nb * BLOCK_COLS;
+            int64_t i = first;
+            for (; i + 6 <= last; i += 6)
+                micro_6(a + i * k, k, panel, steps, fix, out + i * n, n, cols);
+            switch (last - i) {
+            case 5: micro_5(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
+            case 4: micro_4(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
+            case 3: micro_3(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
+            case 2: micro_2(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
+            case 1: micro_1(a + i * k, k, panel, steps, fix, out + i * n, n, cols); break;
+            default: break;
+            }
         }
     }
 }

@@ -27,6 +27,7 @@
 
 #include "common.h"
 #include "q4.h"
+#include "task_ranges.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -139,25 +140,29 @@ void kvserve_q4_gemm(const int8_t *a, const float *scales, const float *sums, in
                               : rows;
     const int64_t chunks = (rows + chunk - 1) / chunk;
     const int parallel = panels * chunks > 1 && rows * n * k >= (1 << 16);
-    _Pragma("omp parallel for schedule(static) if (parallel) num_threads(num_threads)")
-    for (int64_t task = 0; task < panels * chunks; task++) {
-        const int64_t p = task / chunks, first = (task % chunks) * chunk;
-        const int64_t last = first + chunk < rows ? first + chunk : rows;
-        const uint8_t *panel = packed + p * blocks * record;
-        const int64_t cols = n - p * Q4_COLS < Q4_COLS ? n - p * Q4_COLS : Q4_COLS;
-        float *out = c + p * Q4_COLS;
-        int64_t i = first;
+    task_share share; /* (task_ranges.h) */
+    const int teams = task_share_init(&share, panels * chunks, parallel ? num_threads : 1);
+    _Pragma("omp parallel if (teams > 1) num_threads(teams)") {
+        task_cursor cursor = task_cursor_of(&share);
+        for (int64_t task; (task = next_task(&cursor)) >= 0;) {
+            const int64_t p = task / chunks, first = (task % chunks) * chunk;
+            const int64_t last = first + chunk < rows ? first + chunk : rows;
+            const uint8_t *panel = packed + p * blocks * record;
+            const int64_t cols = n - p * Q4_COLS < Q4_COLS ? n - p * Q4_COLS : Q4_COLS;
+            float *out = c + p * Q4_COLS;
+            int64_t i = first;
 #define Q4_CALL(MR)                                                                                \
-    q4_micro_##MR(a + i * k, a + (rows + i) * k, k, scales + i * blocks, sums + i * blocks,       \
-                  blocks, panel, blocks, record, asym, out + i * n, n, cols)
-        for (; i + Q4_MR <= last; i += Q4_MR) Q4_CALL(4);
-        switch (last - i) {
-        case 3: Q4_CALL(3); break;
-        case 2: Q4_CALL(2); break;
-        case 1: Q4_CALL(1); break;
-        default: break;
-        }
+        q4_micro_##MR(a + i * k, a + (rows + i) * k, k, scales + i * blocks, sums + i * blocks,    \
+                      blocks, panel, blocks, record, asym, out + i * n, n, cols)
+            for (; i + Q4_MR <= last; i += Q4_MR) Q4_CALL(4);
+            switch (last - i) {
+            case 3: Q4_CALL(3); break;
+            case 2: Q4_CALL(2); break;
+            case 1: Q4_CALL(1); break;
+            default: break;
+            }
 #undef Q4_CALL
+        }
     }
 }
 
