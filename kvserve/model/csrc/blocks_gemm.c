@@ -537,6 +537,32 @@ int kvserve_blocks_quantize_q4_0(const float *x, int64_t rows, int64_t k, uint8_
 
 /* ---- activations ---------------------------------------------------------------------------- */
 
+/* The 8-bit form of a row (quantize_blocks_row without `rest`): each span's values in one
+ * pass, then the sums of 16 from the bytes. As one loop a block of 32 that also summed each 16
+ * values, the compiler reduced 4 values at a time: on the Zen 4 machine a row of 8,960 took
+ * 12.4 us on one thread (now 3.7), 1,025 such rows 6.6 ms on two (now 1.9), 1,025 of 1,536
+ * 0.95 ms (now 0.18); the same bytes, scales and sums. (The sums by vpsadbw: 5% more.) */
+static inline void quantize_blocks_8(const float *v, int64_t k, int8_t *q, float *scales,
+                                     int32_t *sums) {
+    const int64_t span = k % 256 == 0 ? 256 : 32; /* values sharing a scale */
+    for (int64_t b = 0; b < k; b += span) {
+        float top = 0.f;
+        _Pragma("omp simd reduction(max : top)") for (int64_t i = b; i < b + span; i++) {
+            const float m = fabsf(v[i]);
+            top = m > top ? m : top;
+        }
+        const float inverse = top > 0.f ? 127.f / top : 0.f, e = top / 127.f;
+        _Pragma("omp simd") for (int64_t i = b; i < b + span; i++) q[i] =
+            (int8_t)(int32_t)nearbyintf(v[i] * inverse);
+        for (int64_t j = b / 32; j < (b + span) / 32; j++) scales[j] = e;
+    }
+    for (int64_t g = 0; g < k / 16; g++) {
+        int32_t total = 0;
+        for (int i = 0; i < 16; i++) total += q[16 * g + i];
+        sums[g] = total;
+    }
+}
+
 /*
  * Blocks of 32 as llama.cpp's Q8_0, with a float32 scale: e = max|v| / 127 (a block of zeros:
  * e = 0), p = round-to-nearest-even(v * 127 / max|v|) in -127..127, and the sum of p over each
@@ -550,43 +576,31 @@ int kvserve_blocks_quantize_q4_0(const float *x, int64_t rows, int64_t k, uint8_
  */
 static inline void quantize_blocks_row(const float *v, int64_t k, int8_t *q, int8_t *rest,
                                        float *scales, int32_t *sums) {
-    const int64_t span = !rest && k % 256 == 0 ? 256 : 32; /* values sharing a scale */
-    float top = 0.f;
+    if (!rest) {
+        quantize_blocks_8(v, k, q, scales, sums);
+        return;
+    }
     for (int64_t b = 0; b < k; b += 32) {
-        if (b % span == 0) {
-            top = 0.f;
-            _Pragma("omp simd reduction(max : top)") for (int64_t i = b; i < b + span; i++) {
-                const float m = fabsf(v[i]);
-                top = m > top ? m : top;
-            }
+        float top = 0.f;
+        _Pragma("omp simd reduction(max : top)") for (int64_t i = b; i < b + 32; i++) {
+            const float m = fabsf(v[i]);
+            top = m > top ? m : top;
         }
         const float inverse = top > 0.f ? 127.f / top : 0.f, e = top / 127.f;
-        int32_t half[2] = {0, 0};
         for (int part = 0; part < 2; part++) {
             int32_t total = 0;
             const int64_t first = b + 16 * part;
-            if (rest) {
-                _Pragma("omp simd reduction(+ : total)") for (int64_t i = first; i < first + 16;
-                                                             i++) {
-                    const float p = nearbyintf(v[i] * inverse);
-                    float r = nearbyintf((v[i] - e * p) * inverse * 16.f);
-                    r = r > 8.f ? 8.f : (r < -8.f ? -8.f : r);
-                    q[i] = (int8_t)p;
-                    rest[i] = (int8_t)r;
-                    total += 16 * (int32_t)p + (int32_t)r;
-                }
-            } else {
-                _Pragma("omp simd reduction(+ : total)") for (int64_t i = first; i < first + 16;
-                                                             i++) {
-                    q[i] = (int8_t)nearbyintf(v[i] * inverse);
-                    total += q[i];
-                }
+            _Pragma("omp simd reduction(+ : total)") for (int64_t i = first; i < first + 16; i++) {
+                const float p = nearbyintf(v[i] * inverse);
+                float r = nearbyintf((v[i] - e * p) * inverse * 16.f);
+                r = r > 8.f ? 8.f : (r < -8.f ? -8.f : r);
+                q[i] = (int8_t)p;
+                rest[i] = (int8_t)r;
+                total += 16 * (int32_t)p + (int32_t)r;
             }
-            half[part] = total;
+            sums[b / 16 + part] = total;
         }
-        scales[b / 32] = rest ? e / 16.f : e;
-        sums[b / 16] = half[0];
-        sums[b / 16 + 1] = half[1];
+        scales[b / 32] = e / 16.f;
     }
 }
 
