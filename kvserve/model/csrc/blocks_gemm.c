@@ -1993,7 +1993,7 @@ ALWAYS void wide_rows(const int six, const int group, const int R, const wide_re
             for (int v = 0; v < WV; v++) off[v] = vi_add_pairs_at(off[v], o->pairs[t][v], p + t);
         for (int v = 0; v < WV; v++) {
             float *at = res + stride * i + VW * v;
-            const vf before = vf_load(at);
+            const vf before = r ? vf_load(at) : vf_zero(); /* the first super-block starts them */
             vf_store(at, kquant_update(six, acc[i][v], off[v], o->d[v], o->dmin[v], ev, before));
         }
     }
@@ -2012,7 +2012,6 @@ ALWAYS int wide_unit_format(const int six, const int group, const kvserve_blocks
     float *res = thread_scratch(4, sizeof(float) * (size_t)(rows * stride));
     wide_record *o = thread_scratch(5, sizeof(wide_record) * (size_t)count);
     if (!res || !o) return -1;
-    memset(res, 0, sizeof(float) * (size_t)(rows * stride));
     for (int64_t r = 0; r < records; r++) {
         for (int pp = 0; pp < count; pp++) {
             const uint8_t *rec = w->packed + ((first + pp) * records + r) * f->record;
