@@ -1,7 +1,9 @@
-"""Small drivers for the model alone (no scheduler): a chunk record and a greedy loop."""
+"""Small drivers for the model alone (no scheduler): a chunk record, a greedy loop, and a
+check that a kernel gives the same results on any number of threads."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,3 +47,24 @@ def reference_greedy(reference, prompt_ids: list[int], num_tokens: int) -> list[
             result = reference(
                 torch.tensor([[out[-1]]]), past_key_values=result.past_key_values, use_cache=True
             )
+
+
+def assert_the_same_on_any_number_of_threads(
+    compute: Callable[[], Sequence[torch.Tensor]], counts=(2, 3, 8), repeats: int = 3
+) -> Sequence[torch.Tensor]:
+    """compute()'s tensors on each of `counts` threads, `repeats` times, equal to one thread's,
+    bit for bit; returns one thread's. With more threads than cores some wait for a core and the
+    others take over their share of the work (csrc/task_ranges.h); compute() should give tensors
+    of two inputs in turn, so that a share left out would keep the other input's results."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = compute()
+        for count in counts:
+            torch.set_num_threads(count)
+            for _ in range(repeats):
+                for got, expect in zip(compute(), alone, strict=True):
+                    assert torch.equal(got, expect), count
+    finally:
+        torch.set_num_threads(threads)
+    return alone

@@ -33,6 +33,7 @@ from kvserve.model.linear.blocks import (
     fused_from_checkpoint,
     read_gguf,
 )
+from tests.model.helpers import assert_the_same_on_any_number_of_threads
 
 FORMATS = list(blocks.FORMATS)
 LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # the types gguf.quants can quantize
@@ -315,20 +316,12 @@ def test_every_panel_is_computed_once_whatever_the_threads_and_their_speeds():
         ]),
     ]  # fmt: skip
     inputs = [torch.randn(130, 512, generator=generator) * 3 for _ in range(2)]
-    threads = torch.get_num_threads()
-    try:
-        for product in products:
-            for rows in (1, 8, 37, 130):
-                acts = [act_blocks(x[:rows]) for x in inputs]
-                torch.set_num_threads(1)
-                alone = [product.apply(act) for act in acts]
-                for count in (2, 3, 8):
-                    torch.set_num_threads(count)
-                    for _ in range(3):
-                        for act, expect in zip(acts, alone, strict=True):
-                            assert torch.equal(product.apply(act), expect), (rows, count)
-    finally:
-        torch.set_num_threads(threads)
+    for product in products:
+        for rows in (1, 8, 37, 130):
+            acts = [act_blocks(x[:rows]) for x in inputs]
+            assert_the_same_on_any_number_of_threads(
+                lambda product=product, acts=acts: [product.apply(a) for a in acts]
+            )
 
 
 @needs_product

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kvserve.model.kernels import load_kernels
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.linear.float import ROW_PRODUCT_ROWS, FloatLinear
-from tests.model.helpers import Chunk
+from tests.model.helpers import Chunk, assert_the_same_on_any_number_of_threads
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -319,17 +319,9 @@ def test_float32_row_product_is_the_same_on_any_number_of_threads(native):
     g = gen(17)
     weight, bias = torch.randn(3000, 64, generator=g), torch.randn(3000, generator=g)
     inputs = [torch.randn(3, 64, generator=g) for _ in range(2)]
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = [native.f32_gemm(x, weight, bias) for x in inputs]
-        for count in (2, 3, 8):
-            torch.set_num_threads(count)
-            for _ in range(3):
-                for x, expect in zip(inputs, alone, strict=True):
-                    assert torch.equal(native.f32_gemm(x, weight, bias), expect), count
-    finally:
-        torch.set_num_threads(threads)
+    assert_the_same_on_any_number_of_threads(
+        lambda: [native.f32_gemm(x, weight, bias) for x in inputs]
+    )
 
 
 @needs_row_product

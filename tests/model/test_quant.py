@@ -16,7 +16,11 @@ from kvserve.model.kv_cache import KVCache
 from kvserve.model.linear import int8 as quant
 from kvserve.model.llama import LlamaModel
 from kvserve.model.safetensors import SafetensorsCheckpoint
-from tests.model.helpers import Chunk, greedy_continuation
+from tests.model.helpers import (
+    Chunk,
+    assert_the_same_on_any_number_of_threads,
+    greedy_continuation,
+)
 from tests.model.test_safetensors import save_tiny, tiny_config
 
 CPU = torch.device("cpu")
@@ -308,17 +312,11 @@ def test_int8_gemm_is_the_same_on_any_number_of_threads(native):
     w = torch.randint(-127, 128, (16384, 512), generator=g, dtype=torch.int8)
     inputs = [torch.randint(-127, 128, (9, 512), generator=g, dtype=torch.int8) for _ in range(2)]
     panels, correction = quant.pack_int8_weight(w)
-    expect = [a.long() @ w.long().t() for a in inputs]
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2, 3, 8):
-            torch.set_num_threads(count)
-            for _ in range(3):
-                for a, product in zip(inputs, expect, strict=True):
-                    got = native.int8_gemm(a, panels, correction, 16384)
-                    assert torch.equal(got.long(), product), count
-    finally:
-        torch.set_num_threads(threads)
+    alone = assert_the_same_on_any_number_of_threads(
+        lambda: [native.int8_gemm(a, panels, correction, 16384).long() for a in inputs]
+    )
+    for got, a in zip(alone, inputs, strict=True):
+        assert torch.equal(got, a.long() @ w.long().t())
 
 
 @needs_kernels

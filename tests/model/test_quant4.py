@@ -15,7 +15,11 @@ from kvserve.model.kv_cache import KVCache
 from kvserve.model.linear import q4 as quant4
 from kvserve.model.linear.q4 import Blocks
 from kvserve.model.loader import choose_quantization, load_model
-from tests.model.helpers import Chunk, greedy_continuation
+from tests.model.helpers import (
+    Chunk,
+    assert_the_same_on_any_number_of_threads,
+    greedy_continuation,
+)
 from tests.model.test_quant import TEXT, follows_float32
 
 CPU = torch.device("cpu")
@@ -118,17 +122,7 @@ def test_a_product_is_the_same_on_any_number_of_threads(native):
     so that a panel left out would keep the other's results)."""
     weight = quant4.Q4Linear.from_blocks(random_blocks(2000, 256, "Q4_1", seed=3), kernels=native)
     inputs = [native.quantize_blocks(torch.randn(5, 256)) for _ in range(2)]
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = [weight.apply(act) for act in inputs]
-        for count in (2, 3, 8):
-            torch.set_num_threads(count)
-            for _ in range(3):
-                for act, expect in zip(inputs, alone, strict=True):
-                    assert torch.equal(weight.apply(act), expect), count
-    finally:
-        torch.set_num_threads(threads)
+    assert_the_same_on_any_number_of_threads(lambda: [weight.apply(act) for act in inputs])
 
 
 @needs_kernels

@@ -546,11 +546,7 @@ static inline void quantize_blocks_8(const float *v, int64_t k, int8_t *q, float
                                      int32_t *sums) {
     const int64_t span = k % 256 == 0 ? 256 : 32; /* values sharing a scale */
     for (int64_t b = 0; b < k; b += span) {
-        float top = 0.f;
-        _Pragma("omp simd reduction(max : top)") for (int64_t i = b; i < b + span; i++) {
-            const float m = fabsf(v[i]);
-            top = m > top ? m : top;
-        }
+        const float top = abs_max(v + b, span);
         const float inverse = top > 0.f ? 127.f / top : 0.f, e = top / 127.f;
         _Pragma("omp simd") for (int64_t i = b; i < b + span; i++) q[i] =
             (int8_t)(int32_t)nearbyintf(v[i] * inverse);
@@ -581,11 +577,7 @@ static inline void quantize_blocks_row(const float *v, int64_t k, int8_t *q, int
         return;
     }
     for (int64_t b = 0; b < k; b += 32) {
-        float top = 0.f;
-        _Pragma("omp simd reduction(max : top)") for (int64_t i = b; i < b + 32; i++) {
-            const float m = fabsf(v[i]);
-            top = m > top ? m : top;
-        }
+        const float top = abs_max(v + b, 32);
         const float inverse = top > 0.f ? 127.f / top : 0.f, e = top / 127.f;
         for (int part = 0; part < 2; part++) {
             int32_t total = 0;

@@ -27,6 +27,16 @@ static inline uint16_t float_to_bf16(float f) {
 
 static inline float float_identity(float f) { return f; }
 
+/* max |v[i]| over n values (0 for none): the scale of a symmetric int8 block, row or vector. */
+static inline float abs_max(const float *v, int64_t n) {
+    float top = 0.f;
+    _Pragma("omp simd reduction(max : top)") for (int64_t i = 0; i < n; i++) {
+        const float a = fabsf(v[i]);
+        top = a > top ? a : top;
+    }
+    return top;
+}
+
 /* exp(x), Cephes' expf polynomial after range reduction: within about one ulp of expf for
  * x in [-87, 88] (clamped outside), and it vectorizes where a libm call would not. */
 static inline float exp_approx(float x) {

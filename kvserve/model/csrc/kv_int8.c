@@ -23,11 +23,7 @@
 #define MAX_GROUP 16
 
 static inline float quantize_vector(const float *x, int64_t n, int8_t *q, int bias) {
-    float top = 0.f;
-    _Pragma("omp simd reduction(max : top)") for (int64_t i = 0; i < n; i++) {
-        const float a = fabsf(x[i]);
-        top = a > top ? a : top;
-    }
+    const float top = abs_max(x, n);
     const float inverse = top > 0.f ? 127.f / top : 0.f;
     const int offset = bias ? 128 : 0;
     _Pragma("omp simd") for (int64_t i = 0; i < n; i++) q[i] =

@@ -191,11 +191,7 @@ void kvserve_q4_gemm(const int8_t *a, const float *scales, const float *sums, in
 static inline void quantize_blocks_row(const float *v, int64_t width, int8_t *q, int8_t *rest,
                                        float *scales, float *sums) {
     for (int64_t b = 0; b < width; b += 32) {
-        float top = 0.f;
-        _Pragma("omp simd reduction(max : top)") for (int64_t i = b; i < b + 32; i++) {
-            const float m = fabsf(v[i]);
-            top = m > top ? m : top;
-        }
+        const float top = abs_max(v + b, 32);
         const float e = top / 127.f, inverse = top > 0.f ? 127.f / top : 0.f;
         int32_t total = 0;
         _Pragma("omp simd reduction(+ : total)") for (int64_t i = b; i < b + 32; i++) {

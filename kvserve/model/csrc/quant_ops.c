@@ -26,18 +26,9 @@
 #include <immintrin.h>
 #endif
 
-static inline float row_absmax(const float *v, int64_t n) {
-    float top = 0.f;
-    _Pragma("omp simd reduction(max : top)") for (int64_t i = 0; i < n; i++) {
-        const float a = fabsf(v[i]);
-        top = a > top ? a : top;
-    }
-    return top;
-}
-
 /* Writes q[0:n] and returns the scale. */
 static inline float quantize_row(const float *v, int64_t n, int8_t *q) {
-    const float top = row_absmax(v, n);
+    const float top = abs_max(v, n);
     const float scale = top / 127.f, inverse = top > 0.f ? 127.f / top : 0.f;
     _Pragma("omp simd") for (int64_t i = 0; i < n; i++) q[i] = (int8_t)nearbyintf(v[i] * inverse);
     return scale;

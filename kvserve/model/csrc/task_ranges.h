@@ -9,34 +9,23 @@
  * Work sharing for the products' parallel loops (blocks_gemm.c, int8_gemm.c, q4_gemm.c,
  * f32_gemm.c).
  *
- * A loop's tasks shared out as one range a thread, each taken in order from its start
- * by its thread, and from their ends by the threads that finish first, a group of tasks at a
- * time. With a static share, the thread that lagged (its core busier, its weights further) held
- * the other at the barrier; with libgomp's dynamic schedule the threads took the panels in turn
- * and each one's stream of weights was cut at every panel (8% slower at 8 rows). Here each
- * thread streams its range in order and only the last groups move; a task's results do not
- * depend on the thread that computes it. Measured on the 2-core Zen 4 machine (a decode step's
- * products of the 1.5B, 28 layers, builds alternated in one process): the time one thread
- * waited for the other at the end of a product, as a share of the products' time, 6-30% -> 1%
- * at 1 row, 9-12% -> 1-2% at 8 rows. One 64-bit word a range: its next group (low half) and
- * its end (high half), both moved by compare-and-swap.
+ * A loop's tasks shared out as one range a thread, each taken in order from its start by its
+ * thread, and from their ends by the threads that finish first, a group of tasks at a time.
+ * With a static share, the thread that lagged (its core busier, its weights further) held the
+ * other at the barrier; with libgomp's dynamic schedule the threads took the panels in turn and
+ * each one's stream of weights was cut at every panel (8% slower at 8 rows). Here each thread
+ * streams its range in order and only the last groups move; a task's results do not depend on
+ * the thread that computes it. Measured on the 2-core Zen 4 machine (a decode step's products
+ * of the 1.5B, 28 layers, builds alternated in one process): the time one thread waited for the
+ * other at the end of a product, as a share of the products' time, 23-30% -> 0.9-1.5% at 1
+ * row, 9-26% -> 1.3-1.8% at 8 rows (docs/benchmarks.md, "2026-12-07 16:00"). One 64-bit word
+ * a range: its next group (low half) and its end (high half), both moved by compare-and-swap.
  */
 typedef struct {
     _Alignas(64) _Atomic uint64_t span;
 } task_range;
 
 #define MAX_RANGES 256 /* threads a product shares out among at most */
-
-/* `ranges` for `teams` threads over `groups` groups: thread t's [groups * t / teams, ...). */
-static inline int ranges_init(task_range *ranges, int teams, int64_t groups) {
-    teams = teams < 1 ? 1 : (teams > MAX_RANGES ? MAX_RANGES : teams);
-    for (int t = 0; t < teams; t++) {
-        const uint64_t lo = (uint64_t)(groups * t / teams);
-        const uint64_t hi = (uint64_t)(groups * (t + 1) / teams);
-        atomic_init(&ranges[t].span, lo | hi << 32);
-    }
-    return teams;
-}
 
 /* The next group for thread `me`: from the start of its own range, else from the end of
  * another's (from *victim on, which it advances); -1 once every range is empty. */
@@ -76,12 +65,18 @@ typedef struct {
 /* `share` set for `tasks` tasks and `threads` threads (1: none shared); returns the threads to
  * start, at most MAX_RANGES. */
 static inline int task_share_init(task_share *share, int64_t tasks, int threads) {
-    threads = threads < 1 ? 1 : (threads > MAX_RANGES ? MAX_RANGES : threads);
-    const int64_t size = tasks / (96 * (int64_t)threads);
+    const int teams = threads < 1 ? 1 : (threads > MAX_RANGES ? MAX_RANGES : threads);
+    const int64_t per = tasks / (96 * (int64_t)teams), size = per > 1 ? per : 1;
+    const int64_t groups = (tasks + size - 1) / size;
+    for (int t = 0; t < teams; t++) { /* thread t's: [groups t / teams, groups (t + 1) / teams) */
+        const uint64_t lo = (uint64_t)(groups * t / teams);
+        const uint64_t hi = (uint64_t)(groups * (t + 1) / teams);
+        atomic_init(&share->ranges[t].span, lo | hi << 32);
+    }
     share->tasks = tasks;
-    share->size = size < 1 ? 1 : size;
-    share->teams = ranges_init(share->ranges, threads, (tasks + share->size - 1) / share->size);
-    return share->teams;
+    share->size = size;
+    share->teams = teams;
+    return teams;
 }
 
 /* A thread's walk over the tasks it takes (inside the parallel region):
