@@ -1240,7 +1240,9 @@ ALWAYS void tile_products(const int format, const int MR_, const int NV, const i
             _Pragma("GCC unroll 8") for (int i = 0; i < MR_; i++) {
                 const vf ev = vf_set(rows->e[i * (rows->k / 32) + 8 * r]);
                 _Pragma("GCC unroll 2") for (int v = 0; v < NV; v++) {
-                    const vf before = held ? vf_load(held + (2 * i + v) * VW) : res[i][v];
+                    /* the first super-block starts the held results */
+                    const vf before =
+                        held ? (r ? vf_load(held + (2 * i + v) * VW) : vf_zero()) : res[i][v];
                     const vf after =
                         kquant_update(six, acc[i][v], off[i][v], d[v], dmin[v], ev, before);
                     if (held)
@@ -1315,7 +1317,6 @@ ALWAYS void tile_pass(const int format, const int MR_, const uint8_t *panel, int
     const int hold = MR_ == 8 && FORMATS[format_slot(format)].values == 256;
     float held[MR * 2 * VW] __attribute__((aligned(64)));
     if (hold) {
-        memset(held, 0, sizeof held);
         tile_products(format, MR_, NV, 0, panel, records, lane, rows, res, held);
         for (int i = 0; i < MR_; i++)
             for (int v = 0; v < NV; v++) res[i][v] = vf_load(held + (2 * i + v) * VW);
