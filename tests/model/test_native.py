@@ -89,8 +89,12 @@ def test_rope_store_matches_torch(dtype, native):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_paged_decode_matches_sdpa(dtype, head_dim, native):
-    heads, kv_heads, block_size, num_blocks = 8, 2, 32, 12
+@pytest.mark.parametrize("heads", [8, 12, 14, 16])  # groups of 4, 6, 7 and 8 query heads
+def test_paged_decode_matches_sdpa(dtype, head_dim, heads, native):
+    """Decode rows (lengths 1 to 96: whole and partial runs of 16 keys, partial blocks) against
+    SDPA, for the group sizes whose bf16 values keep their sums in registers in different
+    shapes (paged_attention.c's bf16_block_values)."""
+    kv_heads, block_size, num_blocks = 2, 32, 12
     kv = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=gen(5)).to(dtype)
     lengths = torch.tensor([1, 33, 70, 96])
     tables = torch.tensor([[3, 0, 0], [7, 1, 0], [2, 9, 4], [11, 5, 6]])

@@ -30,58 +30,108 @@
 #include <immintrin.h>
 #define HAVE_BF16_DOT 1
 
+/* The sums of 16 vectors' lanes, x[i] the vector of key (i % 4) * 4 + i / 4: lane j of the
+ * result is key j's. Each key's 16 lanes are added in _mm512_reduce_add_ps's order (lanes 8
+ * apart, then 4, 2, 1: ((x0 + x8) + (x4 + x12)) ... as GCC's reduction), the keys transposed
+ * into the lanes on the way: 45 instructions for 16 keys instead of a reduction each. */
+static inline __attribute__((always_inline)) __m512 sums_of_16(const __m512 x[16]) {
+    __m512 t[8], u[4], v[2];
+    for (int j = 0; j < 8; j++) /* lanes i + 8: x[2j] in the low 256 bits, x[2j+1] the high */
+        t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * j], x[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4(x[2 * j], x[2 * j + 1], 0xEE));
+    for (int m = 0; m < 4; m++) /* lanes i + 4: one vector's 4 in each 128-bit lane */
+        u[m] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * m], t[2 * m + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * m], t[2 * m + 1], 0xDD));
+    for (int n = 0; n < 2; n++) { /* lanes i + 2: two vectors' 2 in each 128-bit lane */
+        const __m512d lo = _mm512_castps_pd(u[2 * n]), hi = _mm512_castps_pd(u[2 * n + 1]);
+        v[n] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+    }
+    /* lanes i + 1 */
+    return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+}
+
+/* The scores of one query row q against keys k[0..m) (m <= 16), stored at out[0..m). */
+static inline __attribute__((always_inline)) void bf16_scores_16(const uint16_t *q,
+                                                                 const uint16_t *k, int m, int hd,
+                                                                 __m512 scales, float *out) {
+    __m512 x[16];
+    _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) {
+        const int key = (i % 4) * 4 + i / 4;
+        x[i] = _mm512_setzero_ps();
+        if (key < m)
+            _Pragma("GCC unroll 4") for (int d = 0; d < hd; d += 32) x[i] = _mm512_dpbf16_ps(
+                x[i], (__m512bh)_mm512_loadu_si512(k + key * hd + d),
+                (__m512bh)_mm512_loadu_si512(q + d));
+    }
+    const __m512 s = _mm512_mul_ps(sums_of_16(x), scales);
+    if (m == 16)
+        _mm512_storeu_ps(out, s);
+    else
+        _mm512_mask_storeu_ps(out, (__mmask16)((1u << m) - 1), s);
+}
+
 /* Scores of `group` bf16 query rows against `n` bf16 key rows of one block, with the CPU's
  * bf16 dot-product instruction: products are exact in float32 and summed in float32, as the
- * generic path does after converting, but without the conversion. HD is 64 or 128. */
+ * generic path does after converting, but without the conversion. Keys go 16 at a time, their
+ * sums transposed into one vector (sums_of_16): the same floats as one reduction a key, in
+ * about half the time (decode rows of the 1.5B's shape, 12 heads on 2 KV heads of 128, see
+ * docs/benchmarks.md). HD is 64 or 128. */
 static inline void bf16_block_scores(const void *q_rows, int64_t group, const void *keys,
                                      int64_t n, int hd, float scale, float *scores,
                                      int64_t stride) {
     const uint16_t *q = (const uint16_t *)q_rows, *k = (const uint16_t *)keys;
-    for (int64_t o = 0; o < n; o++) {
-        const uint16_t *row = k + o * hd;
-        for (int64_t g = 0; g < group; g++) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int d = 0; d < hd; d += 32)
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + d),
-                                       (__m512bh)_mm512_loadu_si512(q + g * hd + d));
-            scores[g * stride + o] = _mm512_reduce_add_ps(acc) * scale;
-        }
-    }
+    const __m512 scales = _mm512_set1_ps(scale);
+    int64_t o = 0;
+    for (; o + 16 <= n; o += 16) /* whole groups: m a constant, the sums in registers */
+        for (int64_t g = 0; g < group; g++)
+            bf16_scores_16(q + g * hd, k + o * hd, 16, hd, scales, scores + g * stride + o);
+    if (o < n)
+        for (int64_t g = 0; g < group; g++)
+            bf16_scores_16(q + g * hd, k + o * hd, (int)(n - o), hd, scales,
+                           scores + g * stride + o);
 }
 
-/* acc[g][0:64] += sum_o p[g][o] * v[o][0:64] for up to 4 query heads, the accumulators held in
- * registers for the whole block; each value row is converted to float once. Returns 0 when the
- * shape is not one it handles (the caller then takes the generic loop). */
+/* acc[g][0:hd] += sum_o p[g][o] * v[o][0:hd] for G query heads, C vectors of 16 dimensions a
+ * pass (G * C accumulators held in registers for the whole block); each value row's part is
+ * converted to float once a pass. */
 static inline __attribute__((always_inline)) void bf16_values_fixed(
-    const float *probs, const int group, const uint16_t *v, int64_t n, float *acc,
-    int64_t stride) {
-    __m512 a[4][4];
-    for (int g = 0; g < group; g++)
-        for (int c = 0; c < 4; c++) a[g][c] = _mm512_loadu_ps(acc + g * 64 + c * 16);
-    for (int64_t o = 0; o < n; o++) {
-        __m512 row[4];
-        for (int c = 0; c < 4; c++)
-            row[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
-                (const __m256i *)(v + o * 64 + c * 16)));
-        for (int g = 0; g < group; g++) {
-            const __m512 p = _mm512_set1_ps(probs[g * stride + o]);
-            for (int c = 0; c < 4; c++) a[g][c] = _mm512_fmadd_ps(p, row[c], a[g][c]);
+    const float *probs, const int G, const int C, const uint16_t *v, int64_t n, int hd,
+    float *acc, int64_t stride) {
+    for (int base = 0; base < hd; base += 16 * C) {
+        __m512 a[8][4];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < C; c++) a[g][c] = _mm512_loadu_ps(acc + g * hd + base + c * 16);
+        for (int64_t o = 0; o < n; o++) {
+            __m512 row[4];
+            for (int c = 0; c < C; c++)
+                row[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
+                    (const __m256i *)(v + o * hd + base + c * 16)));
+            for (int g = 0; g < G; g++) {
+                const __m512 p = _mm512_set1_ps(probs[g * stride + o]);
+                for (int c = 0; c < C; c++) a[g][c] = _mm512_fmadd_ps(p, row[c], a[g][c]);
+            }
         }
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < C; c++) _mm512_storeu_ps(acc + g * hd + base + c * 16, a[g][c]);
     }
-    for (int g = 0; g < group; g++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, a[g][c]);
 }
 
-/* The group is a constant in each case, so the accumulators stay in registers. */
+/* The group is a constant in each case, so the accumulators stay in registers: up to 6 heads
+ * 64 dimensions a pass (24 accumulators), 7 or 8 heads 32. Returns 0 when the shape is not one
+ * it handles (the caller then takes the generic loop). */
 static inline int bf16_block_values(const float *probs, int64_t group, const void *values,
                                     int64_t n, int hd, float *acc, int64_t stride) {
     const uint16_t *v = (const uint16_t *)values;
-    if (hd != 64) return 0;
     switch (group) {
-    case 1: bf16_values_fixed(probs, 1, v, n, acc, stride); return 1;
-    case 2: bf16_values_fixed(probs, 2, v, n, acc, stride); return 1;
-    case 3: bf16_values_fixed(probs, 3, v, n, acc, stride); return 1;
-    case 4: bf16_values_fixed(probs, 4, v, n, acc, stride); return 1;
+    case 1: bf16_values_fixed(probs, 1, 4, v, n, hd, acc, stride); return 1;
+    case 2: bf16_values_fixed(probs, 2, 4, v, n, hd, acc, stride); return 1;
+    case 3: bf16_values_fixed(probs, 3, 4, v, n, hd, acc, stride); return 1;
+    case 4: bf16_values_fixed(probs, 4, 4, v, n, hd, acc, stride); return 1;
+    case 5: bf16_values_fixed(probs, 5, 4, v, n, hd, acc, stride); return 1;
+    case 6: bf16_values_fixed(probs, 6, 4, v, n, hd, acc, stride); return 1;
+    case 7: bf16_values_fixed(probs, 7, 2, v, n, hd, acc, stride); return 1;
+    case 8: bf16_values_fixed(probs, 8, 2, v, n, hd, acc, stride); return 1;
     default: return 0;
     }
 }
@@ -384,7 +434,8 @@ DEFINE_FLOAT_TILE(float_tile_bf16, uint16_t, bf16_to_float, float_to_bf16, block
 
 #if HAVE_BF16_DOT
 /* One decode row against one KV head, head_dim fixed at compile time so the inner loops
- * vectorize; bf16 scores (and values at head_dim 64) by the CPU's bf16 dot product. */
+ * vectorize; bf16 scores by the CPU's bf16 dot product, values (groups of up to 8 query heads)
+ * with the accumulators in registers. */
 #define DEFINE_TASK(NAME, T, LOAD, STORE, HD, BF16_DOT)                                             \
     static void NAME(const T *q, T *out, const T *k_head, const T *v_head, const int64_t *table,   \
                      int64_t length, int64_t group, int64_t block_size, float scale,              \
