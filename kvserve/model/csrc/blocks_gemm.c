@@ -2086,9 +2086,9 @@ static int wide_unit(const kvserve_blocks_weight *w, int64_t first, int count, c
 }
 
 /* The product of the 8-bit form with K-quant parts, many rows (x: the call's rows, their
- * offset pairs made; p8: Q6_K's pairs, or with VNNI their folds, offset_folds): a task a unit
- * of up to WIDE_PANELS panels of one part (the other parts' panels in the tiles above, all
- * rows a task). */
+ * offset pairs made, but with VNNI not Q6_K's: p8 holds their folds, offset_folds; else p8 is
+ * x->p8): a task a unit of up to WIDE_PANELS panels of one part (the other parts' panels in
+ * the tiles above, all rows a task). */
 static void wide_gemm(const tile_rows *x, const int32_t *p8, int64_t rows,
                       const kvserve_blocks_weight *parts, int64_t num_parts,
                       const int64_t *first_column, float *out, int64_t ldc, int num_threads) {
@@ -2171,33 +2171,42 @@ int kvserve_blocks_gemm(const int8_t *q, const int8_t *rest, const float *scales
     if (wide && !rest)
         for (int64_t i = 0; i < rows * (k / 32); i++)
             if (scales[i] != scales[i - i % 8]) return -3;
-    /* the K-quants' offset pairs, once for all the columns and every path (offset_pairs;
-     * without memory for them, the many-row paths are not taken and each tile makes its own) */
+    /* the K-quants' offsets, once for all the columns: paired for every path (offset_pairs),
+     * but Q6_K's folded where the record-by-record path with VNNI is to take the call
+     * (offset_folds); without memory for them, the many-row paths are not taken and each tile
+     * makes its own pairs */
     int q45 = 0, q6 = 0;
     for (int64_t p = 0; p < num_parts && !rest; p++) {
         q45 |= parts[p].format == KVSERVE_BLOCKS_Q4_K || parts[p].format == KVSERVE_BLOCKS_Q5_K;
         q6 |= parts[p].format == KVSERVE_BLOCKS_Q6_K;
     }
+#if BLOCKS_AMX
+    const int amx = wide && !rest && rows >= AMX_MIN_ROWS && kvserve_blocks_amx();
+#else
+    const int amx = 0;
+#endif
     const size_t per_row = sizeof(int32_t) * (size_t)(k / 256);
-    int32_t *pairs4 = q45 ? thread_scratch(3, 4 * per_row * (size_t)rows) : NULL;
-    int32_t *pairs8 = q6 ? thread_scratch(6, 8 * per_row * (size_t)rows) : NULL;
+    int32_t *pairs4 = q45 ? thread_scratch(3, 4 * per_row * (size_t)rows) : NULL, *folds = NULL;
+#if BLOCKS_WIDE
+    if (q6 && WIDE_FOLDED && wide && rows >= WIDE_MIN_ROWS && !amx)
+        folds = thread_scratch(7, 16 * per_row * (size_t)rows);
+#endif
+    int32_t *pairs8 = q6 && !folds ? thread_scratch(6, 8 * per_row * (size_t)rows) : NULL;
     if (pairs4) offset_pairs(0, sums, k, rows, pairs4);
     if (pairs8) offset_pairs(1, sums, k, rows, pairs8);
+    if (folds) offset_folds(sums, k, rows, folds);
     const tile_rows all = {q, rest, scales, sums, k, pairs4, pairs8};
 #if BLOCKS_AMX
-    if (wide && !rest && rows >= AMX_MIN_ROWS && kvserve_blocks_amx() && (pairs4 || !q45) &&
+    if (amx && (pairs4 || !q45) &&
         amx_gemm(&all, rows, parts, num_parts, first_column, out, ldc, num_threads) == 0)
         return 0;
 #endif
 #if BLOCKS_WIDE
-    if (wide && !rest && rows >= WIDE_MIN_ROWS && (pairs4 || !q45) && (pairs8 || !q6)) {
-        int32_t *folds = q6 && WIDE_FOLDED ? thread_scratch(7, 16 * per_row * (size_t)rows) : NULL;
-        if (folds) offset_folds(sums, k, rows, folds);
-        if (folds || !q6 || !WIDE_FOLDED) {
-            wide_gemm(&all, folds ? folds : pairs8, rows, parts, num_parts, first_column, out, ldc,
-                      num_threads);
-            return 0;
-        }
+    if (wide && !rest && rows >= WIDE_MIN_ROWS && (pairs4 || !q45) &&
+        (!q6 || (WIDE_FOLDED ? folds : pairs8))) {
+        wide_gemm(&all, WIDE_FOLDED ? folds : pairs8, rows, parts, num_parts, first_column, out,
+                  ldc, num_threads);
+        return 0;
     }
 #endif
     const int64_t panels = first_panel[num_parts];
